@@ -1,0 +1,50 @@
+# bayesify: every target sets itself up on a fresh machine (creates .venv and installs).
+#   make demo   convert a network, train it briefly on sklearn digits, print deterministic vs rank-1
+#   make test   the test suite (what CI runs)
+#   make sweep  convert + run every timm architecture and torchvision classifier (long)
+#   make bench  speed / memory ratios measured side by side
+#   make test-xla  the torch-xla path on the XLA CPU backend (separate venv: torch-xla pins torch)
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# the wheels on this machine's disk; override for another platform (e.g. TORCH_SPEC="torch torchvision")
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+XLA_VENV ?= .venv-xla
+XLA_SPEC ?= torch==2.9.0 torch_xla==2.9.0 torchvision==0.24.0
+
+.PHONY: install demo test sweep bench test-xla clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: install
+	$(PY) examples/digits.py
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+sweep: install
+	$(PY) benchmarks/sweep.py --all
+
+bench: install
+	$(PY) benchmarks/overhead.py
+
+$(XLA_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install -q --upgrade pip
+	$(XLA_VENV)/bin/python -m pip install -q $(XLA_SPEC)
+	$(XLA_VENV)/bin/python -m pip install -q -e ".[dev]"
+	touch $@
+
+test-xla: $(XLA_VENV)/.installed
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q -p no:cacheprovider -m xla tests
+
+clean:
+	rm -rf $(VENV) $(XLA_VENV) build *.egg-info

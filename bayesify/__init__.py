@@ -1,0 +1,41 @@
+"""bayesify: turn any PyTorch model into a rank-1 Bayesian neural net with one call.
+
+    model = bayesify.convert(model, components=4)
+    loss = F.cross_entropy(model(x), y) + bayesify.kl_divergence(model) / len(train_set)
+
+References:
+    Dusenberry et al., "Efficient and Scalable Bayesian Neural Nets with Rank-1 Factors", ICML 2020.
+"""
+
+from bayesify.config import Rank1Config
+from bayesify.convert import convert, default_mapping, revert
+from bayesify.mode import mode, predict
+from bayesify.modules import is_converted, kl_divergence, rank1_layers, rank1_parameters
+from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction, Route
+from bayesify.summary import Summary, summary
+from bayesify.wrappers import Rank1Factor, Rank1Layer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Init",
+    "Perturbation",
+    "Posterior",
+    "Prior",
+    "Rank1Config",
+    "Rank1Factor",
+    "Rank1Layer",
+    "Reduction",
+    "Route",
+    "Summary",
+    "convert",
+    "default_mapping",
+    "is_converted",
+    "kl_divergence",
+    "mode",
+    "predict",
+    "rank1_layers",
+    "rank1_parameters",
+    "revert",
+    "summary",
+]

@@ -1,0 +1,195 @@
+"""Per-forward routing of batch rows to mixture components.
+
+A converted model owns one :class:`Rank1Context`, shared by all of its rank-1 layers. Hooks on
+the model's root module run around each forward pass:
+
+* before it, they choose the route (training: one random component per example; evaluation:
+  every example through every component, the mixture predictive; or whatever ``mode()`` set),
+  tile the inputs along the batch dimension when the route needs it, and store the component
+  index of every row, so that all layers route an example through the *same* component;
+* after it, they reduce tiled outputs to the mixture predictive when the route asks for it.
+
+Layers ask :meth:`Rank1Context.rows_for` for the component of each row of *their* input, which
+also covers layers that fold extra axes into the batch (window attention: ``[B * windows, ...]``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from bayesify.options import Reduction, Route
+
+__all__ = ["Rank1Context", "RouteSpec"]
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """What one forward pass does: route, noise, samples per component, reduction, component."""
+
+    route: Route | None = None  # None: the default for the model's train/eval state
+    noise: bool = True
+    samples: int = 1
+    reduction: Reduction | None = None
+    component: int | None = None
+
+
+@dataclass
+class Rank1Context:
+    """State shared by the rank-1 layers of one converted model."""
+
+    components: int
+    batch_dim: int = 0
+    reduction: Reduction = Reduction.LOGITS
+    # an explicit mode() in force (a stack: nested mode() calls restore the outer one)
+    overrides: list[RouteSpec] = field(default_factory=list)
+    # per-forward state, set by the root's pre-hook and cleared by its post-hook
+    active: bool = False
+    rows: Tensor | None = None
+    noise: bool = True
+    spec: RouteSpec | None = None
+    batch_size: int = 0
+    # weight-bearing modules left deterministic at conversion, with why (for summary())
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def resolve(self, training: bool) -> RouteSpec:
+        spec = self.overrides[-1] if self.overrides else RouteSpec()
+        if spec.route is None:
+            spec = replace(spec, route=Route.SAMPLE if training else Route.MIXTURE)
+        return spec
+
+    @property
+    def tiles(self) -> int:
+        spec = self.spec
+        if spec is None or spec.route in (Route.SAMPLE, Route.COMPONENT):
+            return 1
+        return self.components * spec.samples
+
+    def rows_for(self, n: int, device: torch.device) -> Tensor:
+        """Component index of each of the ``n`` rows of a layer's input."""
+        rows = self.rows
+        if not self.active or rows is None:
+            # called outside the converted root's forward (a submodule used on its own):
+            # no shared routing exists, so each row gets its own random component
+            return torch.randint(self.components, (n,), device=device)
+        total = rows.shape[0]
+        if n == total:
+            return rows
+        if n % total == 0:
+            # extra axes folded into the batch, batch-major (e.g. windows): repeat each row's component
+            return rows.repeat_interleave(n // total)
+        # a batch-independent input (e.g. a table fed through an MLP): one component for the whole call
+        return rows[:1].expand(n)
+
+    # ---- hooks on the root module ------------------------------------------------------------
+
+    def begin(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        spec = self.resolve(module.training)
+        leaves, _ = tree_flatten((args, kwargs))
+        batched = [t for t in leaves if isinstance(t, Tensor) and t.dim() > self.batch_dim]
+        if not batched:
+            raise TypeError(
+                f"bayesify found no tensor input with a batch dimension {self.batch_dim} to route through the "
+                f"{self.components} mixture components; pass the batch as a tensor argument, or set "
+                "convert(..., batch_dim=...) to where the batch lies."
+            )
+        first = batched[0]
+        batch = first.shape[self.batch_dim]
+        device = first.device
+        self.spec, self.noise, self.batch_size, self.active = spec, spec.noise, batch, True
+        if spec.route is Route.SAMPLE:
+            self.rows = torch.randint(self.components, (batch,), device=device)
+            return args, kwargs
+        if spec.route is Route.COMPONENT:
+            self.rows = torch.full((batch,), spec.component, dtype=torch.long, device=device)
+            return args, kwargs
+        # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B)
+        tiles = self.tiles
+        self.rows = torch.arange(self.components, device=device).repeat_interleave(spec.samples * batch)
+        dim = self.batch_dim
+
+        def tile(t: object) -> object:
+            if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == batch:
+                return torch.cat([t] * tiles, dim=dim)
+            return t
+
+        return tree_map(tile, args), tree_map(tile, kwargs)
+
+    def end(self, module: nn.Module, output: object) -> object:
+        spec, batch, tiles = self.spec, self.batch_size, self.tiles
+        self.active, self.rows, self.spec = False, None, None
+        if spec is None or spec.route is not Route.MIXTURE:
+            return output
+        reduction = spec.reduction or self.reduction
+        dim = self.batch_dim
+
+        def reduce(t: object) -> object:
+            if not (isinstance(t, Tensor) and t.is_floating_point() and t.dim() > dim and t.shape[dim] == tiles * batch):
+                return t
+            members = t.movedim(dim, 0).reshape(tiles, batch, *t.shape[:dim], *t.shape[dim + 1 :])
+            return _reduce(members, reduction).movedim(0, dim)
+
+        return tree_map(reduce, output)
+
+
+def _reduce(members: Tensor, reduction: Reduction) -> Tensor:
+    """Reduce ``[members, B, ...]`` to ``[B, ...]``."""
+    count = members.shape[0]
+    if reduction is Reduction.MEAN:
+        return members.mean(0)
+    if reduction is Reduction.BINARY_LOGITS:
+        # logit(mean sigmoid) = log(mean p) - log(mean (1 - p)), both computed in log space
+        log_p = torch.logsumexp(torch.nn.functional.logsigmoid(members), 0)
+        log_q = torch.logsumexp(torch.nn.functional.logsigmoid(-members), 0)
+        return log_p - log_q
+    if members.shape[-1] == 1:
+        raise ValueError(
+            "reduction='logits' (log of the mean softmax) needs one output per class, but the model's output "
+            "has a single column; use reduction='binary_logits' for a one-logit binary classifier or "
+            "reduction='mean' for regression (convert(..., reduction=...) or bayesify.mode(..., reduction=...))."
+        )
+    return torch.logsumexp(torch.log_softmax(members.float(), -1), 0).to(members.dtype) - math.log(count)
+
+
+def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return module._rank1_context.begin(module, args, kwargs)
+
+
+def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
+    return module._rank1_context.end(module, output)
+
+
+def attach(root: nn.Module, context: Rank1Context) -> None:
+    """Install ``context`` on ``root`` with the hooks that route each forward pass."""
+    root._rank1_context = context
+    root.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    root.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+
+
+def is_root(module: nn.Module) -> bool:
+    """Whether ``module`` carries the routing hooks of a converted model."""
+    return any(h is _pre_hook for h in module._forward_pre_hooks.values())
+
+
+def detach(root: nn.Module) -> None:
+    """Remove the routing hooks that :func:`attach` installed (the context attribute stays)."""
+    for hooks, fn in ((root._forward_pre_hooks, _pre_hook), (root._forward_hooks, _post_hook)):
+        for key in [k for k, h in hooks.items() if h is fn]:
+            del hooks[key]
+            root._forward_hooks_with_kwargs.pop(key, None)
+            root._forward_pre_hooks_with_kwargs.pop(key, None)
+            root._forward_hooks_always_called.pop(key, None)
+
+
+def find_context(model: nn.Module) -> Rank1Context:
+    """The routing context of a converted model (also through wrappers such as DDP)."""
+    for module in model.modules():
+        if is_root(module):
+            return module._rank1_context
+    raise ValueError(
+        f"{type(model).__name__} is not a converted model (no rank-1 routing found); call bayesify.convert(model) first."
+    )

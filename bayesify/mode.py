@@ -1,0 +1,95 @@
+"""``mode()`` and ``predict()``: choose how a converted model routes examples through its components."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from bayesify._routing import RouteSpec, find_context
+from bayesify.options import Reduction, Route, parse_option
+
+__all__ = ["mode", "predict"]
+
+
+@contextlib.contextmanager
+def mode(
+    model: nn.Module,
+    route: Route | str | None = None,
+    *,
+    noise: bool = True,
+    samples: int = 1,
+    reduction: Reduction | str | None = None,
+    component: int | None = None,
+) -> Iterator[None]:
+    """Override how ``model`` routes examples, in training and evaluation alike, inside a ``with``.
+
+    Args:
+        model: a converted model (or a wrapper of one, such as DDP).
+        route: ``"sample"`` (one random component per example; the training default),
+            ``"tile"`` (every example through all K components, output ``[K*samples*B, ...]``
+            member-major: row ``k*samples*B + m*B + b``), ``"mixture"`` (as tile, reduced to
+            the mixture predictive; the evaluation default), ``"component"`` (all examples
+            through ``component``), or None to keep the train/eval default.
+        noise: sample r and s from the posterior (True) or use the posterior locations.
+        samples: samples per component for ``tile`` / ``mixture`` (M in K x M).
+        reduction: for ``mixture``: ``"logits"``, ``"binary_logits"`` or ``"mean"``; default:
+            the conversion's.
+        component: the component for ``route="component"`` (implies it when route is None).
+
+    Example:
+        >>> with bayesify.mode(model, route="tile", noise=False):
+        ...     members = model(x)            # [K*B, ...]: the K posterior-mean members
+    """
+    context = find_context(model)
+    if component is not None and route is None:
+        route = Route.COMPONENT
+    route = None if route is None else parse_option(route, Route, "route")
+    if route is Route.COMPONENT:
+        k = context.components
+        if isinstance(component, bool) or not isinstance(component, int) or not 0 <= component < k:
+            raise ValueError(f"component={component!r} must be an integer in [0, {k}) for route='component'.")
+    elif component is not None:
+        raise ValueError(f"component={component!r} only applies to route='component', not route={route!s}.")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples={samples!r} must be an integer >= 1 (samples per mixture component).")
+    if not isinstance(noise, bool):
+        raise TypeError(f"noise={noise!r} must be True or False.")
+    reduction = None if reduction is None else parse_option(reduction, Reduction, "reduction")
+    context.overrides.append(RouteSpec(route, noise, samples, reduction, component))
+    try:
+        yield
+    finally:
+        context.overrides.pop()
+
+
+def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool = True, **kwargs: Any) -> Any:
+    """The K x ``samples`` member outputs for one batch, stacked on a new leading axis.
+
+    Runs ``model(*args, **kwargs)`` once on the tiled batch without gradients, in the model's
+    current train/eval state (call ``model.eval()`` first for evaluation).
+
+    Returns:
+        The model's output structure with every batched tensor reshaped to
+        ``[K * samples, B, ...]`` (component-major: member ``k * samples + m``).
+
+    Example:
+        >>> members = bayesify.predict(model.eval(), x, samples=4)     # [K*4, B, classes]
+        >>> probs = members.softmax(-1).mean(0)
+    """
+    context = find_context(model)
+    with torch.no_grad(), mode(model, Route.TILE, samples=samples, noise=noise):
+        output = model(*args, **kwargs)
+    members = context.components * samples
+    dim = context.batch_dim
+
+    def split(t: object) -> object:
+        if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] % members == 0:
+            t = t.movedim(dim, 0)
+            return t.reshape(members, t.shape[0] // members, *t.shape[1:]).movedim(1, dim + 1)
+        return t
+
+    return tree_map(split, output)

@@ -1,0 +1,42 @@
+"""Reparameterised sampling and log-densities of the factor distributions."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from bayesify.options import Posterior, Prior
+
+__all__ = ["rsample", "log_prob", "softplus_inverse"]
+
+
+def softplus_inverse(x: float | Tensor) -> Tensor:
+    """The ``rho`` with ``softplus(rho) == x`` (stable for small and large ``x``)."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    return torch.where(x > 20, x, torch.log(torch.expm1(x)))
+
+
+def rsample(family: Posterior, loc: Tensor, scale: Tensor | None) -> Tensor:
+    """One reparameterised sample per entry: ``loc + scale * eps``.
+
+    ``eps`` is standard Normal or standard Cauchy; a ``delta`` family returns ``loc``.
+    """
+    if family is Posterior.DELTA or scale is None:
+        return loc
+    if family is Posterior.NORMAL:
+        eps = torch.randn_like(loc)
+    else:
+        eps = torch.empty_like(loc).cauchy_()
+    return loc + scale * eps
+
+
+def log_prob(family: Prior | Posterior, value: Tensor, loc: Tensor | float, scale: Tensor | float) -> Tensor:
+    """Elementwise log-density of a Normal or Cauchy."""
+    z = (value - loc) / scale
+    if family.value == "normal":
+        return -0.5 * z * z - torch.log(torch.as_tensor(scale, dtype=value.dtype)) - 0.5 * math.log(2 * math.pi)
+    if family.value == "cauchy":
+        return -torch.log1p(z * z) - torch.log(torch.as_tensor(scale, dtype=value.dtype)) - math.log(math.pi)
+    raise ValueError(f"log_prob is defined for 'normal' and 'cauchy', not {family!r}.")

@@ -1,0 +1,90 @@
+"""KL(posterior || prior) for the factor distributions, elementwise.
+
+* Normal-Normal: analytic (as the reference).
+* Cauchy-Cauchy: closed form ``log(((s1 + s2)^2 + (l1 - l2)^2) / (4 s1 s2))``
+  (Chyzak & Nielsen 2019). The reference uses a one-sample Monte Carlo estimate instead;
+  the closed form has no variance.
+* Normal posterior, Cauchy prior: ``-H(q) - E_q[log p]`` with the expectation by 64-point
+  Gauss-Hermite quadrature (deterministic and differentiable).
+* Cauchy posterior, Normal prior: infinite (a Cauchy has no second moment), so refused.
+
+References:
+    Dusenberry et al., "Efficient and Scalable Bayesian Neural Nets with Rank-1 Factors",
+    ICML 2020, Sec. 3 and Appendix.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from bayesify.options import Posterior, Prior
+
+__all__ = ["kl_normal_normal", "kl_cauchy_cauchy", "kl_normal_cauchy", "kl_divergence", "check_pair"]
+
+
+def kl_normal_normal(loc_q: Tensor, scale_q: Tensor, loc_p: float | Tensor, scale_p: float | Tensor) -> Tensor:
+    """KL(N(loc_q, scale_q) || N(loc_p, scale_p)), elementwise."""
+    scale_p = torch.as_tensor(scale_p, dtype=scale_q.dtype, device=scale_q.device)
+    ratio = scale_q / scale_p
+    diff = (loc_q - loc_p) / scale_p
+    return 0.5 * (ratio * ratio + diff * diff - 1.0) - torch.log(ratio)
+
+
+def kl_cauchy_cauchy(loc_q: Tensor, scale_q: Tensor, loc_p: float | Tensor, scale_p: float | Tensor) -> Tensor:
+    """KL(Cauchy(loc_q, scale_q) || Cauchy(loc_p, scale_p)), elementwise, closed form.
+
+    Written as ``log((s1+s2)^2 + d^2) - log(4 s1 s2)`` so that extreme values stay finite.
+    """
+    scale_p = torch.as_tensor(scale_p, dtype=scale_q.dtype, device=scale_q.device)
+    diff = loc_q - loc_p
+    return torch.log((scale_q + scale_p) ** 2 + diff * diff) - torch.log(4.0 * scale_q * scale_p)
+
+
+@functools.lru_cache(maxsize=None)
+def _hermgauss(n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.polynomial.hermite.hermgauss(n)
+
+
+def kl_normal_cauchy(
+    loc_q: Tensor, scale_q: Tensor, loc_p: float | Tensor, scale_p: float | Tensor, points: int = 64
+) -> Tensor:
+    """KL(N(loc_q, scale_q) || Cauchy(loc_p, scale_p)), elementwise, by Gauss-Hermite quadrature."""
+    nodes, weights = _hermgauss(points)
+    nodes = torch.as_tensor(nodes, dtype=loc_q.dtype, device=loc_q.device)
+    weights = torch.as_tensor(weights / math.sqrt(math.pi), dtype=loc_q.dtype, device=loc_q.device)
+    scale_p = torch.as_tensor(scale_p, dtype=scale_q.dtype, device=scale_q.device)
+    x = loc_q.unsqueeze(-1) + math.sqrt(2.0) * scale_q.unsqueeze(-1) * nodes  # [..., points]
+    z = (x - loc_p) / scale_p
+    expected_log_p = -(torch.log1p(z * z) * weights).sum(-1) - torch.log(math.pi * scale_p)
+    entropy_q = 0.5 * math.log(2 * math.pi * math.e) + torch.log(scale_q)
+    return -entropy_q - expected_log_p
+
+
+def check_pair(posterior: Posterior, prior: Prior) -> None:
+    """Raise a ValueError for a posterior/prior pair whose KL is infinite."""
+    if posterior is Posterior.CAUCHY and prior is Prior.NORMAL:
+        raise ValueError(
+            "posterior='cauchy' with prior='normal' has an infinite KL divergence (a Cauchy has no "
+            "finite second moment); use prior='cauchy' with a Cauchy posterior."
+        )
+
+
+def kl_divergence(
+    posterior: Posterior, loc: Tensor, scale: Tensor | None, prior: Prior, prior_mean: float, prior_std: float
+) -> Tensor:
+    """Summed KL of independent entries ``q(loc, scale)`` to the prior. A delta posterior gives 0."""
+    if posterior is Posterior.DELTA or scale is None:
+        return loc.new_zeros(())
+    check_pair(posterior, prior)
+    if posterior is Posterior.NORMAL and prior is Prior.NORMAL:
+        kl = kl_normal_normal(loc, scale, prior_mean, prior_std)
+    elif posterior is Posterior.CAUCHY:
+        kl = kl_cauchy_cauchy(loc, scale, prior_mean, prior_std)
+    else:
+        kl = kl_normal_cauchy(loc, scale, prior_mean, prior_std)
+    return kl.sum()

@@ -1,0 +1,118 @@
+"""``summary()``: what was converted, what was not and why, and what it costs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from bayesify._routing import find_context
+from bayesify.mode import mode
+from bayesify.modules import rank1_layers
+from bayesify.wrappers.base import Rank1Layer
+from bayesify.wrappers.factor import Rank1Factor
+
+__all__ = ["Summary", "summary"]
+
+
+@dataclass
+class Summary:
+    """The conversion report of a model. ``str(summary)`` renders it as a table."""
+
+    model: str
+    components: int
+    converted: list[tuple[str, str, int]] = field(default_factory=list)  # (name, type, params added)
+    skipped: dict[str, str] = field(default_factory=dict)  # weight-bearing modules left as they were
+    bypassed: dict[str, str] = field(default_factory=dict)  # converted, but not (fully) in the compute path
+    original_parameters: int = 0
+    added_parameters: int = 0
+    probed: bool = False
+
+    @property
+    def overhead(self) -> float:
+        """Added parameters as a fraction of the original ones."""
+        return self.added_parameters / max(self.original_parameters, 1)
+
+    def __str__(self) -> str:
+        lines = [
+            f"bayesify summary of {self.model}: {len(self.converted)} rank-1 layers, K={self.components}",
+            f"parameters: {self.original_parameters:,} original + {self.added_parameters:,} rank-1 "
+            f"({100 * self.overhead:.2f}% overhead)",
+        ]
+        if self.converted:
+            width = max(len(n) for n, _, _ in self.converted) + 2
+            lines.append("converted:")
+            lines += [f"  {name or '<root>':<{width}}{kind:<28}+{added:,}" for name, kind, added in self.converted]
+        if self.skipped:
+            lines.append("not converted:")
+            lines += [f"  {name or '<root>'}: {why}" for name, why in self.skipped.items()]
+        if self.bypassed:
+            lines.append("converted but not in the compute path:")
+            lines += [f"  {name or '<root>'}: {why}" for name, why in self.bypassed.items()]
+        elif self.probed:
+            lines.append("every converted layer ran in the example forward pass")
+        else:
+            lines.append("(pass an example input to summary() to check that every converted layer is in the compute path)")
+        return "\n".join(lines)
+
+
+def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summary:
+    """Report what :func:`bayesify.convert` did to ``model``.
+
+    With an example input (``summary(model, x)``) it also runs one forward pass (no gradients,
+    one component, no noise) and names every converted layer that did not take part: layers
+    whose forward never ran and whose weight was not intercepted, and layers whose weight
+    was used by other maths (see ``bayesify.wrappers._intercept``).
+    """
+    context = find_context(model)
+    report = Summary(model=type(model).__name__, components=context.components)
+    added_ids = set()
+    for name, layer in rank1_layers(model):
+        added = list(layer.rank1_parameters())
+        added_ids.update(id(p) for p in added)
+        report.converted.append((name, type(layer).__rank1_base__.__name__, sum(p.numel() for p in added)))
+    report.added_parameters = sum(p.numel() for p in model.parameters() if id(p) in added_ids)
+    report.original_parameters = sum(p.numel() for p in model.parameters() if id(p) not in added_ids)
+
+    report.skipped = dict(context.skipped)
+    layer_names = [name for name, _ in rank1_layers(model)]
+    for name, module in model.named_modules():
+        if isinstance(module, (Rank1Layer, Rank1Factor)) or name in report.skipped:
+            continue
+        if any(name.startswith(p + ".") for p in layer_names if p) or (layer_names and "" in layer_names):
+            continue
+        if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+            report.skipped[name] = f"{type(module).__name__} is not converted (added after conversion?)"
+
+    for name, layer in rank1_layers(model):
+        used = layer.__dict__.get("_rank1_bypassed_by")
+        if used:
+            report.bypassed[name] = f"weight used directly by {', '.join(sorted(used))} (not intercepted)"
+    if example_args or example_kwargs:
+        report.probed = True
+        _probe(model, report, example_args, example_kwargs)
+    return report
+
+
+def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None:
+    ran: set[str] = set()
+    handles = []
+    layers = dict(rank1_layers(model))
+    for name, layer in layers.items():
+        layer.__dict__.pop("_rank1_bypassed_by", None)
+        layer.__dict__.pop("_rank1_intercepted_by", None)
+        handles.append(layer.register_forward_pre_hook(lambda m, a, n=name: ran.add(n)))
+    try:
+        with torch.no_grad(), mode(model, "component", component=0, noise=False):
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    for name, layer in layers.items():
+        used = layer.__dict__.get("_rank1_bypassed_by")
+        if used:
+            report.bypassed[name] = f"weight used directly by {', '.join(sorted(used))} (not intercepted)"
+        elif name not in ran and not layer.__dict__.get("_rank1_intercepted_by"):
+            report.bypassed[name] = "never ran in the example forward pass (unused, or its weight is read elsewhere)"

@@ -1,0 +1,8 @@
+"""Rank-1 layer wrappers, one file per layer family, and the base they share."""
+
+from bayesify.wrappers.base import Rank1Layer
+from bayesify.wrappers.conv import Rank1Conv, Rank1ConvTranspose
+from bayesify.wrappers.factor import Rank1Factor
+from bayesify.wrappers.linear import Rank1Linear
+
+__all__ = ["Rank1Conv", "Rank1ConvTranspose", "Rank1Factor", "Rank1Layer", "Rank1Linear"]

@@ -1,0 +1,62 @@
+"""Rank-1 convolutions: ``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d`` and their subclasses.
+
+``s`` scales input channels and ``r`` output channels, broadcast over space:
+``W'[o, i, ...] = W[o, i, ...] * r[o] * s[i]``, which is exact for grouped and transposed
+convolutions too. Subclasses that override ``forward`` (timm's ``StdConv2d`` weight
+standardisation, ``Conv2dSame`` padding, ...) keep running their own forward.
+
+References:
+    Dusenberry et al., ICML 2020, Sec. 3; edward2 ``Conv2DRank1``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bayesify.wrappers.affine import Rank1Affine
+
+__all__ = ["Rank1Conv", "Rank1ConvTranspose"]
+
+_CONV_FUNCTIONS = (F.conv1d, F.conv2d, F.conv3d)
+_CONV_TRANSPOSE_FUNCTIONS = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
+
+
+class _Rank1ConvBase(Rank1Affine):
+    _functions: tuple[Callable, ...] = ()
+
+    def _rank1_features(self) -> tuple[int, int]:
+        return self.in_channels, self.out_channels
+
+    def _rank1_axes(self, x: Tensor) -> tuple[int | None, int]:
+        spatial = len(self.kernel_size)
+        if x.dim() == spatial + 1:  # unbatched [C, *spatial]
+            return None, 0
+        return 0, 1
+
+    def _rank1_functional_handlers(self) -> dict[Callable, Callable]:
+        return {f: self._rank1_external(f) for f in self._functions}
+
+
+class Rank1Conv(_Rank1ConvBase):
+    """Rank-1 ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` (``padding_mode`` respected)."""
+
+    source_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    _rank1_known_forwards = (nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward)
+    _functions = _CONV_FUNCTIONS
+
+    def _rank1_core(self, x: Tensor) -> Tensor:
+        return self._conv_forward(x, self._parameters["weight"], None)
+
+
+class Rank1ConvTranspose(_Rank1ConvBase):
+    """Rank-1 ``nn.ConvTranspose1d`` / ``2d`` / ``3d`` (``output_size`` passes through)."""
+
+    source_types = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+    _functions = _CONV_TRANSPOSE_FUNCTIONS
+    # its forward computes output_padding from output_size: always run it, bias accounted for
+
+

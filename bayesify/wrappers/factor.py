@@ -1,0 +1,95 @@
+"""One rank-1 factor (r or s) of a layer: K mixture components of a vector posterior."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bayesify.config import Rank1Config
+from bayesify.options import Init, Posterior
+from bayesify.priors import distributions, kl
+
+__all__ = ["Rank1Factor"]
+
+_MIN_SCALE = 1e-7  # reference: softplus(rho) + 1e-7 keeps the scale and its log finite
+
+
+class Rank1Factor(nn.Module):
+    """A ``[components, features]`` table of variational posteriors over one factor.
+
+    Each component ``k`` has ``loc[k]`` and (unless the posterior is ``delta``) a scale
+    ``softplus(rho[k]) + 1e-7``. :meth:`sample` draws one vector per row of a batch, each row
+    from the component it is routed through.
+
+    Args:
+        features: length of the factor (input channels for s, output channels for r).
+        config: the conversion's options (posterior, prior, initialisation, clipping).
+    """
+
+    def __init__(
+        self,
+        features: int,
+        config: Rank1Config,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.features = features
+        self.config = config
+        shape = (config.components, features)
+        self.loc = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        if config.posterior is Posterior.DELTA:
+            self.register_parameter("rho", None)
+        else:
+            self.rho = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        cfg = self.config
+        identity = cfg.identity
+        if cfg.init is Init.PRESERVE:
+            self.loc.fill_(identity)
+        elif cfg.init is Init.RANDOM_SIGN:
+            # reference random_sign_init(p): +1 with probability p, else -1 (around 0 for additive)
+            signs = torch.where(torch.rand_like(self.loc) < cfg.init_sign_p, 1.0, -1.0)
+            self.loc.copy_(signs if identity == 1.0 else signs * cfg.init_mean_std)
+        else:
+            self.loc.normal_(identity, cfg.init_mean_std)
+        if self.rho is not None:
+            self.rho.fill_(float(distributions.softplus_inverse(cfg.initial_std - _MIN_SCALE)))
+            if cfg.init_jitter > 0:
+                self.rho.add_(nn.init.trunc_normal_(torch.empty_like(self.rho), std=cfg.init_jitter))
+
+    @property
+    def scale(self) -> Tensor | None:
+        """Posterior scale per component and entry (None for a delta posterior)."""
+        if self.rho is None:
+            return None
+        return F.softplus(self.rho) + _MIN_SCALE
+
+    def sample(self, rows: Tensor, noise: bool) -> Tensor:
+        """One factor vector per row: ``[len(rows), features]``.
+
+        Args:
+            rows: component index of each row (``LongTensor`` of shape ``[n]``).
+            noise: draw from the posterior (True) or take its location (False).
+        """
+        loc = self.loc[rows]
+        if not noise or self.rho is None:
+            return loc
+        value = distributions.rsample(self.config.posterior, loc, F.softplus(self.rho[rows]) + _MIN_SCALE)
+        if self.config.clip is not None:
+            value = value.clamp(-self.config.clip, self.config.clip)  # reference: heavy tails clipped to [-10, 10]
+        return value
+
+    def kl_divergence(self) -> Tensor:
+        """KL to the prior, summed over components and entries (as the reference)."""
+        cfg = self.config
+        return kl.kl_divergence(cfg.posterior, self.loc, self.scale, cfg.prior, cfg.prior_mean, cfg.prior_std)
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return f"components={cfg.components}, features={self.features}, posterior={cfg.posterior}, prior={cfg.prior}"

@@ -1,0 +1,41 @@
+"""Rank-1 ``nn.Linear`` (and every subclass: ``NonDynamicallyQuantizableLinear``, timm's ``Linear``, ...)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bayesify.wrappers.affine import Rank1Affine
+
+__all__ = ["Rank1Linear"]
+
+
+class Rank1Linear(Rank1Affine):
+    """``y = ((x o s) W^T) o r + b_k`` on the last axis; the batch is at ``batch_dim``.
+
+    ``s`` has ``in_features`` entries and ``r`` has ``out_features``. The batch axis is the
+    conversion's ``batch_dim``, capped at ``x.dim() - 2`` (a ``[B, F]`` head of a sequence-first
+    model still has its batch first); a 1-d input is one unbatched example.
+
+    References:
+        Dusenberry et al., ICML 2020, Eq. 1; edward2 ``DenseRank1``.
+    """
+
+    source_types = (nn.Linear,)
+    _rank1_known_forwards = (nn.Linear.forward,)
+
+    def _rank1_features(self) -> tuple[int, int]:
+        return self.in_features, self.out_features
+
+    def _rank1_axes(self, x: Tensor) -> tuple[int | None, int]:
+        if x.dim() < 2:
+            return None, -1
+        return min(self._rank1_context.batch_dim, x.dim() - 2), -1
+
+    def _rank1_core(self, x: Tensor) -> Tensor:
+        return F.linear(x, self._parameters["weight"])
+
+    def _rank1_functional_handlers(self) -> dict[Callable, Callable]:
+        return {F.linear: self._rank1_external(F.linear)}
