@@ -53,6 +53,7 @@ class Rank1Context:
     noise: bool = True
     spec: RouteSpec | None = None
     batch_size: int = 0
+    axis: int | None = 0  # batch axis of this forward's inputs (None: one unbatched example)
     # weight-bearing modules left deterministic at conversion, with why (for summary())
     skipped: dict[str, str] = field(default_factory=dict)
 
@@ -90,17 +91,23 @@ class Rank1Context:
     def begin(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         spec = self.resolve(module.training)
         leaves, _ = tree_flatten((args, kwargs))
-        batched = [t for t in leaves if isinstance(t, Tensor) and t.dim() > self.batch_dim]
-        if not batched:
+        first = next((t for t in leaves if isinstance(t, Tensor)), None)
+        if first is None:
             raise TypeError(
-                f"bayesify found no tensor input with a batch dimension {self.batch_dim} to route through the "
-                f"{self.components} mixture components; pass the batch as a tensor argument, or set "
-                "convert(..., batch_dim=...) to where the batch lies."
+                f"bayesify found no tensor input to route through the {self.components} mixture components; "
+                "pass the batch as a tensor argument."
             )
-        first = batched[0]
-        batch = first.shape[self.batch_dim]
+        # a converted layer used as the model knows its own layout (batch axis, or None if unbatched)
+        axis = module._rank1_batch_axis(first) if hasattr(module, "_rank1_batch_axis") else self.batch_dim
+        if axis is not None and first.dim() <= axis:
+            raise TypeError(
+                f"bayesify expects the batch at dimension {axis} of the model's first tensor input, which has "
+                f"shape {tuple(first.shape)}; set convert(..., batch_dim=...) to where the batch lies."
+            )
+        batch = 1 if axis is None else first.shape[axis]
         device = first.device
         self.spec, self.noise, self.batch_size, self.active = spec, spec.noise, batch, True
+        self.axis = axis
         if spec.route is Route.SAMPLE:
             self.rows = torch.randint(self.components, (batch,), device=device)
             return args, kwargs
@@ -110,26 +117,31 @@ class Rank1Context:
         # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B)
         tiles = self.tiles
         self.rows = torch.arange(self.components, device=device).repeat_interleave(spec.samples * batch)
-        dim = self.batch_dim
 
         def tile(t: object) -> object:
-            if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == batch:
-                return torch.cat([t] * tiles, dim=dim)
+            if not isinstance(t, Tensor):
+                return t
+            if axis is None:  # one unbatched example: the members become the batch
+                return t.unsqueeze(0).expand(tiles, *t.shape) if t is first else t
+            if t.dim() > axis and t.shape[axis] == batch:
+                return torch.cat([t] * tiles, dim=axis)
             return t
 
         return tree_map(tile, args), tree_map(tile, kwargs)
 
     def end(self, module: nn.Module, output: object) -> object:
-        spec, batch, tiles = self.spec, self.batch_size, self.tiles
+        spec, batch, tiles, axis = self.spec, self.batch_size, self.tiles, self.axis
         self.active, self.rows, self.spec = False, None, None
         if spec is None or spec.route is not Route.MIXTURE:
             return output
         reduction = spec.reduction or self.reduction
-        dim = self.batch_dim
+        dim = 0 if axis is None else axis
 
         def reduce(t: object) -> object:
             if not (isinstance(t, Tensor) and t.is_floating_point() and t.dim() > dim and t.shape[dim] == tiles * batch):
                 return t
+            if axis is None:
+                return _reduce(t, reduction)
             members = t.movedim(dim, 0).reshape(tiles, batch, *t.shape[:dim], *t.shape[dim + 1 :])
             return _reduce(members, reduction).movedim(0, dim)
 

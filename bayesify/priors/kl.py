@@ -5,7 +5,9 @@
   (Chyzak & Nielsen 2019). The reference uses a one-sample Monte Carlo estimate instead;
   the closed form has no variance.
 * Normal posterior, Cauchy prior: ``-H(q) - E_q[log p]`` with the expectation by 64-point
-  Gauss-Hermite quadrature (deterministic and differentiable).
+  Gauss-Hermite quadrature (deterministic and differentiable). Relative error < 1e-5 while the
+  posterior scale is at most twice the prior scale (training starts far inside that: ~0.03 vs
+  0.1); a posterior 5-10x wider than the prior is approximated to a few percent.
 * Cauchy posterior, Normal prior: infinite (a Cauchy has no second moment), so refused.
 
 References:

@@ -41,6 +41,9 @@ class Rank1Affine(Rank1Layer):
         """``(batch axis or None if unbatched, channel axis)`` of an input of this layer."""
         raise NotImplementedError
 
+    def _rank1_batch_axis(self, x: Tensor) -> int | None:
+        return self._rank1_axes(x)[0]
+
     def _rank1_core(self, x: Tensor) -> Tensor:
         """``W x`` without bias, for a base class whose forward is in ``_rank1_known_forwards``."""
         raise NotImplementedError

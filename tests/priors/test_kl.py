@@ -1,0 +1,67 @@
+"""KL divergences against numerical integration of q log(q / p), in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bayesify.options import Posterior, Prior
+from bayesify.priors import kl_cauchy_cauchy, kl_divergence, kl_normal_cauchy, kl_normal_normal, log_prob
+
+
+def _numerical_kl(q: str, loc_q: float, scale_q: float, p: str, loc_p: float, scale_p: float) -> float:
+    # x = loc_q + scale_q * tan(theta) maps (-pi/2, pi/2) onto the real line, so heavy tails are covered
+    theta = torch.linspace(-math.pi / 2, math.pi / 2, 400_001, dtype=torch.float64)[1:-1]
+    x = loc_q + scale_q * torch.tan(theta)
+    jacobian = scale_q / torch.cos(theta) ** 2
+    log_q = log_prob(Posterior(q), x, loc_q, scale_q)
+    log_p = log_prob(Prior(p), x, loc_p, scale_p)
+    integrand = torch.exp(log_q) * (log_q - log_p) * jacobian
+    return float(torch.trapezoid(integrand, theta))
+
+
+CASES = [(1.0, 0.03, 1.0, 0.1), (0.7, 0.5, 1.0, 0.1), (1.3, 0.01, 1.0, 1.0), (-2.0, 2.0, 1.0, 0.05)]
+
+
+@pytest.mark.parametrize("loc_q,scale_q,loc_p,scale_p", CASES)
+def test_normal_normal(loc_q: float, scale_q: float, loc_p: float, scale_p: float) -> None:
+    value = kl_normal_normal(torch.tensor(loc_q, dtype=torch.float64), torch.tensor(scale_q, dtype=torch.float64), loc_p, scale_p)
+    assert math.isclose(float(value), _numerical_kl("normal", loc_q, scale_q, "normal", loc_p, scale_p), rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("loc_q,scale_q,loc_p,scale_p", CASES)
+def test_cauchy_cauchy_closed_form(loc_q: float, scale_q: float, loc_p: float, scale_p: float) -> None:
+    value = kl_cauchy_cauchy(torch.tensor(loc_q, dtype=torch.float64), torch.tensor(scale_q, dtype=torch.float64), loc_p, scale_p)
+    assert math.isclose(float(value), _numerical_kl("cauchy", loc_q, scale_q, "cauchy", loc_p, scale_p), rel_tol=1e-4)
+
+
+@pytest.mark.parametrize("loc_q,scale_q,loc_p,scale_p", [(1.0, 0.03, 1.0, 0.1), (0.7, 0.2, 1.0, 0.1), (3.0, 1.0, 1.0, 1.0)])
+def test_normal_cauchy_quadrature(loc_q: float, scale_q: float, loc_p: float, scale_p: float) -> None:
+    value = kl_normal_cauchy(torch.tensor(loc_q, dtype=torch.float64), torch.tensor(scale_q, dtype=torch.float64), loc_p, scale_p)
+    assert math.isclose(float(value), _numerical_kl("normal", loc_q, scale_q, "cauchy", loc_p, scale_p), rel_tol=1e-4)
+
+
+def test_kl_is_zero_at_the_prior_and_positive_elsewhere() -> None:
+    loc, scale = torch.tensor([1.0, 1.5]), torch.tensor([0.1, 0.1])
+    for posterior, prior in [(Posterior.NORMAL, Prior.NORMAL), (Posterior.CAUCHY, Prior.CAUCHY)]:
+        kl = kl_divergence(posterior, loc[:1], scale[:1], prior, 1.0, 0.1)
+        assert abs(float(kl)) < 1e-6
+        assert float(kl_divergence(posterior, loc, scale, prior, 1.0, 0.1)) > 0.1
+    assert float(kl_divergence(Posterior.DELTA, loc, None, Prior.NORMAL, 1.0, 0.1)) == 0.0
+
+
+def test_extreme_parameters_stay_finite_with_finite_gradients() -> None:
+    loc = torch.tensor([1e6, -1e6, 1.0, 1.0], requires_grad=True)
+    scale = torch.tensor([1e-7, 1e6, 1e-7, 1e6], requires_grad=True)
+    for fn in (kl_normal_normal, kl_cauchy_cauchy, kl_normal_cauchy):
+        value = fn(loc, scale, 1.0, 0.1).sum()
+        (g_loc, g_scale) = torch.autograd.grad(value, (loc, scale))
+        assert torch.isfinite(value), fn.__name__
+        assert torch.isfinite(g_loc).all() and torch.isfinite(g_scale).all(), fn.__name__
+
+
+def test_cauchy_posterior_with_normal_prior_is_refused() -> None:
+    with pytest.raises(ValueError, match="prior='cauchy'"):
+        kl_divergence(Posterior.CAUCHY, torch.zeros(1), torch.ones(1), Prior.NORMAL, 1.0, 0.1)
