@@ -174,17 +174,18 @@ def convert(
     for name, module in model.named_modules():
         if any(name.startswith(p + ".") for p in converted_prefixes):
             continue  # never convert inside a layer that is converted (it would stack factors)
-        if isinstance(module, Rank1Layer):
-            converted_prefixes.append(name)
-            continue
-        wrapper = _lookup(module, table)
-        if wrapper is None:
+        already = isinstance(module, Rank1Layer)
+        wrapper = None if already else _lookup(module, table)
+        if wrapper is None and not already:
             if _is_weight_bearing(module):
                 skipped[name] = f"{type(module).__name__} has no rank-1 wrapper in the mapping"
             continue
         hit_in = [p for p in includes or [] if _matches(name, p)]
         hit_ex = [p for p in excludes or [] if _matches(name, p)]
         used_patterns.update(hit_in, hit_ex)
+        if already:  # converted before: left as it is
+            converted_prefixes.append(name)
+            continue
         if includes is not None and not hit_in:
             skipped[name] = "not matched by include"
             continue

@@ -66,6 +66,11 @@ class Rank1Layer(nn.Module):
         """Make ``module`` a rank-1 layer in place (same object, same Parameters) and return it."""
         if isinstance(module, Rank1Layer):
             raise ValueError(f"{type(module).__name__} is already a rank-1 layer; convert each layer once.")
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"{type(module).__name__} has uninitialized (lazy) parameters, so its shape is unknown; run one "
+                "forward pass on an example batch before bayesify.convert()."
+            )
         module.__class__ = rank1_class(cls, type(module))
         module._rank1_context = context
         module.rank1_config = config

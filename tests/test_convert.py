@@ -1,0 +1,215 @@
+"""convert(): sharing, state, subclasses, patterns, mapping, intercepted weights, revert."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import bayesify
+from bayesify.wrappers import Rank1Layer, Rank1Linear
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 3))
+
+
+def test_shares_parameters_and_keeps_state_dict_keys() -> None:
+    net = _mlp()
+    before = dict(net.named_parameters())
+    keys = list(net.state_dict())
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    bayesify.convert(net)
+    after = dict(net.named_parameters())
+    for name, p in before.items():
+        assert after[name] is p, f"{name} was copied, not shared"
+    new_keys = [k for k in net.state_dict() if k not in keys]
+    assert list(net.state_dict())[: len(keys)] == keys or set(keys) <= set(net.state_dict())
+    assert new_keys and all(".rank1_" in k for k in new_keys), new_keys
+    # an optimizer made before conversion still trains the shared weights
+    w0 = net[0].weight.detach().clone()
+    net.train()
+    net(torch.randn(4, 6)).sum().backward()
+    optimizer.step()
+    assert not torch.equal(w0, net[0].weight)
+
+
+def test_pretrained_checkpoint_loads_into_converted_model() -> None:
+    pretrained = _mlp()
+    state = pretrained.state_dict()
+    net = bayesify.convert(_mlp())
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    assert not unexpected and all(".rank1_" in k for k in missing)
+    with bayesify.mode(net, route="tile", noise=False):
+        torch.testing.assert_close(net(x := torch.randn(3, 6)), torch.cat([pretrained(x)] * 4))
+
+
+def test_keeps_class_identity_hooks_and_training_flag() -> None:
+    net = _mlp().eval()
+    seen = []
+    net[0].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    bayesify.convert(net, components=2)
+    assert isinstance(net[0], nn.Linear) and isinstance(net[0], Rank1Layer)
+    assert type(net[0]).__name__ == "Rank1Linear"
+    assert not net[0].training
+    net(torch.randn(5, 6))
+    assert seen == [torch.Size([10, 8])]  # the hook still runs (on the tiled batch of K*B rows)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda: timm.layers.StdConv2d(3, 8, 3, padding=1),
+        lambda: timm.layers.StdConv2dSame(3, 8, 3, stride=2),
+        lambda: timm.layers.ScaledStdConv2d(3, 8, 3),
+        lambda: timm.layers.Conv2dSame(3, 8, 3, stride=2),
+        lambda: timm.layers.Linear(3, 8),
+        lambda: nn.modules.linear.NonDynamicallyQuantizableLinear(3, 8),
+        lambda: nn.LazyLinear(8),
+    ],
+    ids=["StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "Conv2dSame", "timm.Linear", "NonDynQuantLinear", "LazyLinear"],
+)
+def test_subclasses_keep_their_own_forward(layer) -> None:
+    module = layer().double()
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    if isinstance(module, nn.Linear) or isinstance(module, nn.LazyLinear):
+        x = torch.randn(2, 5, 3, dtype=torch.float64)
+    if isinstance(module, nn.LazyLinear):
+        with pytest.raises(ValueError, match="LazyLinear"):
+            bayesify.convert(module)
+        return
+    ref = module(x)
+    base = type(module)
+    bayesify.convert(module, components=3)
+    assert isinstance(module, base)
+    with torch.no_grad():
+        module.rank1_bias.normal_() if module.rank1_bias is not None else None
+        module.rank1_bias.zero_() if module.rank1_bias is not None else None
+    with bayesify.mode(module, route="tile", noise=False):
+        out = module(x)
+    torch.testing.assert_close(out, torch.cat([ref] * 3))
+    # and a non-identity member equals the base forward on a rank-1 scaled weight
+    with torch.no_grad():
+        module.rank1_s.loc.normal_(1.0, 0.3)
+    with bayesify.mode(module, route="component", component=2, noise=False):
+        out = module(x)
+    s = module.rank1_s.loc[2].view(1, -1, *([1] * (x.dim() - 2))) if x.dim() == 4 else module.rank1_s.loc[2]
+    torch.testing.assert_close(out, base.forward(module, x * s))
+
+
+def test_include_exclude_patterns() -> None:
+    net = bayesify.convert(_mlp(), include=["2", "3"], exclude="2.0")
+    assert [n for n, _ in bayesify.rank1_layers(net)] == ["3"]
+    report = bayesify.summary(net)
+    assert report.skipped == {"0": "not matched by include", "2.0": "excluded by pattern '2.0'"}
+
+
+def test_pattern_that_matches_nothing_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"\['blocks\.\*'\] matched no"):
+        bayesify.convert(_mlp(), exclude="blocks.*")
+
+
+def test_root_may_be_a_layer() -> None:
+    layer = nn.Linear(4, 2)
+    assert bayesify.convert(layer) is layer
+    assert layer.eval()(torch.randn(3, 4)).shape == (3, 2)
+
+
+def test_user_mapping_converts_own_layers() -> None:
+    class Dense(nn.Module):  # a third-party layer that is not an nn.Linear
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3, 4))
+            self.bias = nn.Parameter(torch.zeros(3))
+            self.in_features, self.out_features = 4, 3
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, self.weight, self.bias)
+
+    class Rank1Dense(Rank1Linear):
+        source_types = (Dense,)
+
+    net = nn.Sequential(Dense(), nn.Linear(3, 2))
+    default = bayesify.summary(bayesify.convert(nn.Sequential(Dense(), nn.Linear(3, 2))))
+    assert "0" in default.skipped and "mapping" in default.skipped["0"]
+    bayesify.convert(net, mapping={**bayesify.default_mapping(), Dense: Rank1Dense})
+    assert isinstance(net[0], Rank1Dense) and isinstance(net[0], Dense)
+    net.train()
+    net(torch.randn(5, 4)).sum().backward()
+    assert net[0].rank1_s.loc.grad is not None
+
+
+def test_second_conversion_neither_stacks_nor_breaks() -> None:
+    net = bayesify.convert(_mlp(), include="3")
+    bayesify.convert(net, exclude="3")  # the rest, with the same components
+    assert len(list(bayesify.rank1_layers(net))) == 3
+    with pytest.raises(ValueError, match="already converted"):
+        bayesify.convert(net)
+    with pytest.raises(ValueError, match="components=4"):
+        bayesify.convert(_mlp_partly := bayesify.convert(_mlp(), include="0"), components=2)
+    del _mlp_partly
+    assert all(type(layer).__mro__.count(Rank1Layer) == 1 for _, layer in bayesify.rank1_layers(net))
+
+
+def test_converting_a_part_then_the_whole_uses_one_routing() -> None:
+    net = _mlp()
+    bayesify.convert(net[2])  # a part converted on its own first
+    bayesify.convert(net)
+    net.eval()
+    assert net(torch.randn(5, 6)).shape == (5, 3)  # the inner part does not tile a second time
+    with bayesify.mode(net, route="tile"):
+        assert net(torch.randn(5, 6)).shape == (20, 3)
+
+
+def test_revert_restores_the_original_model() -> None:
+    net = _mlp()
+    keys = list(net.state_dict())
+    x = torch.randn(2, 6)
+    ref = net(x)
+    bayesify.convert(net)
+    bayesify.revert(net)
+    assert list(net.state_dict()) == keys
+    assert type(net[0]) is nn.Linear and not bayesify.is_converted(net)
+    torch.testing.assert_close(net(x), ref)
+    bayesify.convert(net, components=2)  # and it converts again cleanly
+
+
+@pytest.mark.parametrize("name", ["beit_base_patch16_224", "eva02_tiny_patch14_224", "swinv2_cr_tiny_ns_224"])
+def test_weights_used_directly_are_intercepted(name: str) -> None:
+    """timm's beit / eva / swinv2 call F.linear(x, self.qkv.weight): the qkv layers must stay in the graph."""
+    kwargs = dict(img_size=32, patch_size=16, depth=1) if not name.startswith("swin") else dict(img_size=64, depths=(1, 1, 1, 1), embed_dim=32, num_heads=(1, 1, 1, 1))
+    if name.startswith("eva"):
+        kwargs = dict(img_size=32, patch_size=16, depth=1)
+    model = timm.create_model(name, num_classes=4, **kwargs).eval()
+    x = torch.randn(2, 3, kwargs["img_size"], kwargs["img_size"])
+    ref = model(x)
+    bayesify.convert(model, components=2)
+    with bayesify.mode(model, route="tile", noise=False):
+        torch.testing.assert_close(model(x), torch.cat([ref, ref]), rtol=1e-4, atol=1e-4)
+    report = bayesify.summary(model, x)
+    assert not report.bypassed, report.bypassed
+    model.train()
+    model(x).sum().backward()
+    missing = [n for n, layer in bayesify.rank1_layers(model) if layer.rank1_s.loc.grad is None]
+    assert not missing, f"no gradient for {missing}"
+
+
+def test_summary_names_a_weight_used_outside_forward() -> None:
+    class Sneaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.unused = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(x @ self.proj.weight.t())  # not a call the converter can take over
+
+    model = bayesify.convert(Sneaky())
+    report = bayesify.summary(model, torch.randn(3, 4))
+    assert "matmul" in report.bypassed["proj"] or "t" in report.bypassed["proj"]
+    assert "never ran" in report.bypassed["unused"]
+    assert "head" not in report.bypassed
+    assert "converted but not in the compute path" in str(report)
