@@ -50,8 +50,8 @@ def _lookup(module: nn.Module, mapping: Mapping[type, type[Rank1Layer]]) -> type
 def _as_patterns(name: str, value: str | Iterable[str] | None) -> list[str] | None:
     if value is None:
         return None
-    patterns = [value] if isinstance(value, str) else list(value)
-    if not all(isinstance(p, str) for p in patterns):
+    patterns = [value] if isinstance(value, str) else list(value) if isinstance(value, Iterable) else None
+    if patterns is None or not all(isinstance(p, str) for p in patterns):
         raise TypeError(f"{name}={value!r} must be a string or a list of strings (fnmatch patterns on module names).")
     return patterns
 

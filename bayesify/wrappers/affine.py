@@ -79,6 +79,12 @@ class Rank1Affine(Rank1Layer):
         self, x: Tensor, core: Callable[[Tensor], Tensor], bias: Tensor | None, *, bias_in_core: bool
     ) -> Tensor:
         batch_axis, channel_axis = self._rank1_axes(x)
+        if x.dim() == 0 or x.shape[channel_axis] != self.rank1_s.features:
+            core(x)  # a wrong input shape: let the layer's own computation raise torch's usual error
+            raise ValueError(
+                f"{type(self).__name__} expects {self.rank1_s.features} input channels at dimension "
+                f"{channel_axis}, got an input of shape {tuple(x.shape)}."
+            )
         n = 1 if batch_axis is None else x.shape[batch_axis]
         rows, noise = self._rank1_rows(n, x.device)
 

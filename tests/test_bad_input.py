@@ -1,0 +1,102 @@
+"""Bad input fails loudly, names the option and value, and says what is accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import bayesify
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(components=0), ValueError, r"components=0 must be an integer >= 1"),
+        (dict(components=2.5), ValueError, r"components=2.5"),
+        (dict(components=True), ValueError, r"components=True"),
+        (dict(prior_std=0.0), ValueError, r"prior_std=0.0 must be a finite number > 0"),
+        (dict(prior_std=-1), ValueError, r"prior_std=-1"),
+        (dict(prior_std=float("nan")), ValueError, r"prior_std=nan"),
+        (dict(prior="laplace"), ValueError, r"prior='laplace' is not a valid Prior option; accepted: 'normal', 'cauchy'"),
+        (dict(posterior="gaussian"), ValueError, r"posterior='gaussian' .* accepted: 'normal', 'cauchy', 'delta'"),
+        (dict(posterior="cauchy", prior="normal"), ValueError, r"infinite KL"),
+        (dict(perturbation="both"), ValueError, r"perturbation='both'"),
+        (dict(init="zeros"), ValueError, r"init='zeros' .* accepted: 'preserve', 'random_sign', 'normal'"),
+        (dict(init_dropout=1.5), ValueError, r"init_dropout=1.5 must be in \(0, 1\)"),
+        (dict(init_std=0), ValueError, r"init_std=0"),
+        (dict(clip=-1), ValueError, r"clip=-1"),
+        (dict(batch_dim=-1), ValueError, r"batch_dim=-1"),
+        (dict(reduction="max"), ValueError, r"reduction='max'"),
+        (dict(include="encoder.*"), ValueError, r"\['encoder\.\*'\] matched no convertible module"),
+        (dict(exclude=["0", "nope"]), ValueError, r"\['nope'\] matched no"),
+        (dict(include=3), TypeError, r"include=3 must be a string or a list of strings"),
+        (dict(mapping={nn.Linear: nn.Linear}), TypeError, r"mapping\[Linear\]=.* must be a subclass of bayesify.wrappers.Rank1Layer"),
+    ],
+)
+def test_invalid_options(kwargs: dict, error: type, match: str) -> None:
+    net = _net()
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(error, match=match):
+        bayesify.convert(net, **kwargs)
+    # nothing was half-converted
+    assert not bayesify.is_converted(net)
+    assert list(net.state_dict()) == list(state)
+
+
+def test_nothing_to_convert() -> None:
+    with pytest.raises(ValueError, match=r"no layer to convert: none of its modules is an instance of"):
+        bayesify.convert(nn.Sequential(nn.ReLU(), nn.LayerNorm(3)))
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match="convert\\(\\) takes an nn.Module, got function"):
+        bayesify.convert(lambda x: x)
+
+
+def test_converting_twice_refuses_and_leaves_model_working() -> None:
+    net = bayesify.convert(_net())
+    keys = list(net.state_dict())
+    with pytest.raises(ValueError, match="already converted .* left unchanged.*bayesify.revert"):
+        bayesify.convert(net)
+    assert list(net.state_dict()) == keys
+    assert net.eval()(torch.randn(3, 4)).shape == (3, 2)
+
+
+@pytest.mark.parametrize(
+    "layer,x,match",
+    [
+        (nn.Linear(5, 3), torch.randn(2, 7), "mat1 and mat2 shapes cannot be multiplied"),
+        (nn.Conv2d(4, 3, 3), torch.randn(2, 3, 8, 8), "expected input.* to have 4 channels"),
+        (nn.Conv1d(4, 3, 3), torch.randn(2, 4, 2), "Kernel size can't be greater than actual input size"),
+    ],
+)
+def test_wrong_input_shapes_give_torchs_own_errors(layer: nn.Module, x: torch.Tensor, match: str) -> None:
+    bayesify.convert(layer)
+    for training in (True, False):
+        layer.train(training)
+        with pytest.raises(RuntimeError, match=match):
+            layer(x)
+
+
+def test_kl_of_unconverted_model() -> None:
+    with pytest.raises(ValueError, match="call bayesify.convert"):
+        bayesify.kl_divergence(_net())
+
+
+def test_model_without_tensor_input() -> None:
+    class Takes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, values: list[float]) -> torch.Tensor:
+            return self.fc(torch.tensor(values))
+
+    net = bayesify.convert(Takes())
+    with pytest.raises(TypeError, match="no tensor input"):
+        net([1.0, 2.0])

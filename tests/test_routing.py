@@ -1,0 +1,198 @@
+"""Routing: train/eval defaults, mode(), predict(), the mixture reduction, batch layouts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import bayesify
+
+
+def _net(components: int = 3) -> nn.Module:
+    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4))
+    bayesify.convert(net, components=components, init_std=0.3)
+    return net
+
+
+def test_default_shapes_train_and_eval() -> None:
+    net = _net()
+    x = torch.randn(6, 5)
+    assert net.train()(x).shape == (6, 4)
+    assert net.eval()(x).shape == (6, 4)
+    with bayesify.mode(net, route="tile"):
+        assert net(x).shape == (18, 4)
+    with bayesify.mode(net, route="tile", samples=2):
+        assert net(x).shape == (36, 4)
+
+
+def test_eval_returns_log_mean_softmax_of_the_members() -> None:
+    net = _net().eval()
+    x = torch.randn(6, 5)
+    torch.manual_seed(1)
+    with bayesify.mode(net, route="tile", samples=2):
+        members = net(x).view(6, 6, 4)  # [K*M, B, C]
+    torch.manual_seed(1)
+    with bayesify.mode(net, route="mixture", samples=2):
+        mixture = net(x)
+    expected = torch.logsumexp(members.log_softmax(-1), 0) - math.log(6)
+    torch.testing.assert_close(mixture, expected)
+    torch.testing.assert_close(mixture.exp().sum(-1), torch.ones(6))
+
+
+def test_reductions_mean_and_binary_logits() -> None:
+    net = nn.Sequential(nn.Linear(5, 1))
+    bayesify.convert(net, components=2, init_std=0.5, reduction="binary_logits")
+    net.eval()
+    x = torch.randn(4, 5)
+    torch.manual_seed(3)
+    with bayesify.mode(net, route="tile"):
+        members = net(x).view(2, 4, 1)
+    torch.manual_seed(3)
+    out = net(x)
+    torch.testing.assert_close(torch.sigmoid(out), torch.sigmoid(members).mean(0))
+    torch.manual_seed(3)
+    with bayesify.mode(net, route="mixture", reduction="mean"):
+        torch.testing.assert_close(net(x), members.mean(0))
+
+
+def test_single_output_with_logits_reduction_explains_the_fix() -> None:
+    net = bayesify.convert(nn.Linear(3, 1)).eval()
+    with pytest.raises(ValueError, match="binary_logits"):
+        net(torch.randn(2, 3))
+
+
+def test_mode_noise_false_is_deterministic_and_nested_modes_restore() -> None:
+    net = _net().eval()
+    x = torch.randn(4, 5)
+    with bayesify.mode(net, noise=False):
+        a, b = net(x), net(x)
+        with bayesify.mode(net, route="tile"):
+            assert net(x).shape == (12, 4)
+        c = net(x)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a, c)
+    assert not torch.allclose(net(x), net(x))  # the default evaluation samples, like the reference
+
+
+def test_mode_overrides_training_default() -> None:
+    net = _net().train()
+    with bayesify.mode(net, route="mixture"):
+        out = net(torch.randn(4, 5))
+    torch.testing.assert_close(out.exp().sum(-1), torch.ones(4))
+
+
+def test_component_route_matches_tile_member() -> None:
+    net = _net().eval()
+    with torch.no_grad():
+        for _, layer in bayesify.rank1_layers(net):
+            layer.rank1_s.loc.normal_(1.0, 0.5)
+    x = torch.randn(4, 5)
+    with bayesify.mode(net, route="tile", noise=False):
+        members = net(x).view(3, 4, 4)
+    for k in range(3):
+        with bayesify.mode(net, component=k, noise=False):
+            torch.testing.assert_close(net(x), members[k])
+
+
+def test_predict_stacks_members() -> None:
+    net = _net().eval()
+    x = torch.randn(7, 5)
+    members = bayesify.predict(net, x, samples=4)
+    assert members.shape == (12, 7, 4)
+    assert not members.requires_grad
+    means = bayesify.predict(net, x, noise=False)
+    with bayesify.mode(net, route="tile", noise=False):
+        torch.testing.assert_close(means, net(x).view(3, 7, 4))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(route="sideways"), "route='sideways'"),
+        (dict(samples=0), "samples=0"),
+        (dict(component=3), r"component=3 must be an integer in \[0, 3\)"),
+        (dict(route="tile", component=1), "only applies"),
+        (dict(reduction="median"), "reduction='median'"),
+    ],
+)
+def test_mode_rejects_bad_options(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        with bayesify.mode(_net(), **kwargs):
+            pass
+
+
+def test_mode_on_unconverted_model_says_what_to_do() -> None:
+    with pytest.raises(ValueError, match="bayesify.convert"):
+        with bayesify.mode(nn.Linear(2, 2)):
+            pass
+
+
+def test_sequence_first_batch_dim() -> None:
+    """batch_dim=1: inputs [T, B, F]; each example keeps one component across time steps."""
+    net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2))
+    bayesify.convert(net, components=2, batch_dim=1, posterior="delta")
+    with torch.no_grad():
+        for _, layer in bayesify.rank1_layers(net):
+            layer.rank1_r.loc.normal_(1.0, 0.5)
+    x = torch.randn(5, 4, 3)  # [T, B, F]
+    with bayesify.mode(net, route="tile"):
+        members = net(x)
+    assert members.shape == (5, 8, 2)  # tiled along the batch dimension
+    net.train()
+    out = net(x)
+    m = members.view(5, 2, 4, 2)
+    for b in range(4):
+        matches = [torch.allclose(out[:, b], m[:, k, b]) for k in range(2)]
+        assert sum(matches) == 1
+
+
+def test_window_folded_batches_follow_their_example() -> None:
+    """A layer that sees [B * windows, ...] routes each window through its example's component."""
+
+    class Windowed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, 4, 3] -> windows folded into batch
+            b = x.shape[0]
+            return self.proj(x.reshape(b * 4, 1, 3)).reshape(b, 4, 3)
+
+    net = bayesify.convert(Windowed(), components=3, posterior="delta")
+    with torch.no_grad():
+        net.proj.rank1_r.loc.normal_(1.0, 0.5)
+    x = torch.randn(6, 4, 3)
+    with bayesify.mode(net, route="tile"):
+        members = net(x).view(3, 6, 4, 3)
+    net.train()
+    out = net(x)
+    for b in range(6):
+        assert sum(torch.allclose(out[b], members[k, b]) for k in range(3)) == 1
+
+
+def test_dict_and_kwarg_inputs_are_tiled() -> None:
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 3), nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, *, extra: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"logits": self.a(x) + self.b(extra), "aux": extra.sum(-1)}
+
+    net = bayesify.convert(TwoInputs(), components=2).eval()
+    out = net(torch.randn(5, 2), extra=torch.randn(5, 4))
+    assert out["logits"].shape == (5, 3) and out["aux"].shape == (5,)
+    with bayesify.mode(net, route="tile"):
+        assert net(torch.randn(5, 2), extra=torch.randn(5, 4))["logits"].shape == (10, 3)
+
+
+def test_exception_in_forward_leaves_routing_clean() -> None:
+    net = _net()
+    with pytest.raises(RuntimeError):
+        net(torch.randn(3, 7))  # wrong feature size: torch's own error
+    context = net._rank1_context
+    assert not context.active and context.rows is None
+    assert net.eval()(torch.randn(3, 5)).shape == (3, 4)
