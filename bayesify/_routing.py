@@ -11,6 +11,11 @@ the model's root module run around each forward pass:
 
 Layers ask :meth:`Rank1Context.rows_for` for the component of each row of *their* input, which
 also covers layers that fold extra axes into the batch (window attention: ``[B * windows, ...]``).
+
+A ``PackedSequence`` is one leaf: its batch is ``batch_sizes[0]`` sequences, tiled and reduced
+per sequence. A converted layer used as the model may say where the batch lies in each leaf of
+its inputs and outputs (``_rank1_input_axes`` / ``_rank1_output_axes``: one axis or None per
+leaf), e.g. an LSTM whose states ``[layers, B, H]`` have the batch elsewhere than its input.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from bayesify.options import Reduction, Route
 
@@ -90,8 +96,8 @@ class Rank1Context:
 
     def begin(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         spec = self.resolve(module.training)
-        leaves, _ = tree_flatten((args, kwargs))
-        first = next((t for t in leaves if isinstance(t, Tensor)), None)
+        leaves, tree = tree_flatten((args, kwargs), is_leaf=_is_packed)
+        first = next((t for t in leaves if isinstance(t, (Tensor, PackedSequence))), None)
         if first is None:
             raise TypeError(
                 f"bayesify found no tensor input to route through the {self.components} mixture components; "
@@ -99,13 +105,15 @@ class Rank1Context:
             )
         # a converted layer used as the model knows its own layout (batch axis, or None if unbatched)
         axis = module._rank1_batch_axis(first) if hasattr(module, "_rank1_batch_axis") else self.batch_dim
-        if axis is not None and first.dim() <= axis:
+        if axis is not None and isinstance(first, Tensor) and first.dim() <= axis:
             raise TypeError(
                 f"bayesify expects the batch at dimension {axis} of the model's first tensor input, which has "
                 f"shape {tuple(first.shape)}; set convert(..., batch_dim=...) to where the batch lies."
             )
-        batch = 1 if axis is None else first.shape[axis]
-        device = first.device
+        if isinstance(first, PackedSequence):
+            batch, device = int(first.batch_sizes[0]), first.data.device
+        else:
+            batch, device = (1 if axis is None else first.shape[axis]), first.device
         self.spec, self.noise, self.batch_size, self.active = spec, spec.noise, batch, True
         self.axis = axis
         if spec.route is Route.SAMPLE:
@@ -118,16 +126,23 @@ class Rank1Context:
         tiles = self.tiles
         self.rows = torch.arange(self.components, device=device).repeat_interleave(spec.samples * batch)
 
-        def tile(t: object) -> object:
-            if not isinstance(t, Tensor):
+        if hasattr(module, "_rank1_input_axes"):
+            axes = module._rank1_input_axes(args, kwargs)
+        else:
+            axes = [(0 if t is first else None) if axis is None else axis for t in leaves]
+
+        def tile(t: object, dim: int | None) -> object:
+            if isinstance(t, PackedSequence):
+                return _tile_packed(t, tiles) if int(t.batch_sizes[0]) == batch else t
+            if not isinstance(t, Tensor) or dim is None:
                 return t
             if axis is None:  # one unbatched example: the members become the batch
-                return t.unsqueeze(0).expand(tiles, *t.shape) if t is first else t
-            if t.dim() > axis and t.shape[axis] == batch:
-                return torch.cat([t] * tiles, dim=axis)
+                return t.unsqueeze(dim).expand(*t.shape[:dim], tiles, *t.shape[dim:])
+            if t.dim() > dim and t.shape[dim] == batch:
+                return torch.cat([t] * tiles, dim=dim)
             return t
 
-        return tree_map(tile, args), tree_map(tile, kwargs)
+        return tree_unflatten([tile(t, d) for t, d in zip(leaves, axes)], tree)
 
     def end(self, module: nn.Module, output: object) -> object:
         spec, batch, tiles, axis = self.spec, self.batch_size, self.tiles, self.axis
@@ -135,17 +150,69 @@ class Rank1Context:
         if spec is None or spec.route is not Route.MIXTURE:
             return output
         reduction = spec.reduction or self.reduction
-        dim = 0 if axis is None else axis
+        leaves, tree = tree_flatten(output, is_leaf=_is_packed)
+        if hasattr(module, "_rank1_output_axes"):
+            axes = module._rank1_output_axes(output)
+        else:
+            axes = [0 if axis is None else axis] * len(leaves)
 
-        def reduce(t: object) -> object:
-            if not (isinstance(t, Tensor) and t.is_floating_point() and t.dim() > dim and t.shape[dim] == tiles * batch):
+        def reduce(t: object, dim: int | None) -> object:
+            if isinstance(t, PackedSequence):
+                return _reduce_packed(t, tiles, batch, reduction)
+            if dim is None or not (
+                isinstance(t, Tensor) and t.is_floating_point() and t.dim() > dim and t.shape[dim] == tiles * batch
+            ):
                 return t
             if axis is None:
-                return _reduce(t, reduction)
+                return _reduce(t.movedim(dim, 0), reduction)
             members = t.movedim(dim, 0).reshape(tiles, batch, *t.shape[:dim], *t.shape[dim + 1 :])
             return _reduce(members, reduction).movedim(0, dim)
 
-        return tree_map(reduce, output)
+        return tree_unflatten([reduce(t, d) for t, d in zip(leaves, axes)], tree)
+
+
+def _is_packed(value: object) -> bool:
+    return isinstance(value, PackedSequence)
+
+
+def _tile_packed(packed: PackedSequence, tiles: int) -> PackedSequence:
+    """``tiles`` member-major copies of a packed batch: sequence ``k * B + i`` is sequence ``i``.
+
+    Copies of one sequence are adjacent in the sorted order (all have its length), so every time
+    step's rows are each row repeated ``tiles`` times.
+    """
+    data, batch_sizes, sorted_indices, _ = packed
+    batch = int(batch_sizes[0])
+    if sorted_indices is None:
+        sorted_indices = torch.arange(batch, device=data.device)
+    offsets = torch.arange(tiles, device=sorted_indices.device) * batch
+    tiled_sorted = (sorted_indices.unsqueeze(1) + offsets).reshape(-1)
+    unsorted = torch.empty_like(tiled_sorted)
+    unsorted[tiled_sorted] = torch.arange(tiled_sorted.numel(), device=tiled_sorted.device)
+    return PackedSequence(data.repeat_interleave(tiles, 0), batch_sizes * tiles, tiled_sorted, unsorted)
+
+
+def _reduce_packed(packed: PackedSequence, tiles: int, batch: int, reduction: Reduction) -> object:
+    """The mixture of a packed output of ``tiles * batch`` member-major sequences (any sorted order)."""
+    data, batch_sizes, sorted_indices, unsorted_indices = packed
+    if not data.is_floating_point() or int(batch_sizes[0]) != tiles * batch or bool((batch_sizes % tiles).any()):
+        return packed
+    steps, count = batch_sizes.numel(), tiles * batch
+    device = data.device
+    if sorted_indices is None:
+        sorted_indices = unsorted_indices = torch.arange(count, device=device)
+    # reduced order: the order of member 0's copies; row (t, q) gathers member k of sequence order[q]
+    order = torch.argsort(unsorted_indices[:batch])
+    sizes = batch_sizes // tiles
+    offsets = (torch.cumsum(batch_sizes, 0) - batch_sizes).to(device)
+    step = torch.repeat_interleave(torch.arange(steps, device=device), sizes.to(device))
+    position = torch.arange(step.numel(), device=device) - (torch.cumsum(sizes, 0) - sizes).to(device)[step]
+    members = torch.arange(tiles, device=device) * batch
+    index = offsets[step].unsqueeze(0) + unsorted_indices[members.unsqueeze(1) + order[position].unsqueeze(0)]
+    reduced = _reduce(data[index], reduction)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(batch, device=device)
+    return PackedSequence(reduced, sizes, order, inverse)
 
 
 def _reduce(members: Tensor, reduction: Reduction) -> Tensor:
