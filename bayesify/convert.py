@@ -14,6 +14,7 @@ from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction
 from bayesify.wrappers.base import Rank1Layer
 from bayesify.wrappers.conv import Rank1Conv, Rank1ConvTranspose
 from bayesify.wrappers.linear import Rank1Linear
+from bayesify.wrappers.recurrent import Rank1RNN, Rank1RNNCell
 
 __all__ = ["convert", "default_mapping", "revert"]
 
@@ -26,6 +27,12 @@ _DEFAULT_MAPPING: dict[type[nn.Module], type[Rank1Layer]] = {
     nn.ConvTranspose1d: Rank1ConvTranspose,
     nn.ConvTranspose2d: Rank1ConvTranspose,
     nn.ConvTranspose3d: Rank1ConvTranspose,
+    nn.LSTM: Rank1RNN,
+    nn.GRU: Rank1RNN,
+    nn.RNN: Rank1RNN,
+    nn.LSTMCell: Rank1RNNCell,
+    nn.GRUCell: Rank1RNNCell,
+    nn.RNNCell: Rank1RNNCell,
 }
 
 

@@ -4,5 +4,14 @@ from bayesify.wrappers.base import Rank1Layer
 from bayesify.wrappers.conv import Rank1Conv, Rank1ConvTranspose
 from bayesify.wrappers.factor import Rank1Factor
 from bayesify.wrappers.linear import Rank1Linear
+from bayesify.wrappers.recurrent import Rank1RNN, Rank1RNNCell
 
-__all__ = ["Rank1Conv", "Rank1ConvTranspose", "Rank1Factor", "Rank1Layer", "Rank1Linear"]
+__all__ = [
+    "Rank1Conv",
+    "Rank1ConvTranspose",
+    "Rank1Factor",
+    "Rank1Layer",
+    "Rank1Linear",
+    "Rank1RNN",
+    "Rank1RNNCell",
+]

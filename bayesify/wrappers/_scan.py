@@ -1,0 +1,261 @@
+"""The time loop of rank-1 recurrent layers, with a hand-written backward pass.
+
+One :class:`RecurrentScan` call runs the whole recurrence of one layer and direction of an
+LSTM, GRU or Elman RNN whose recurrent kernel carries per-example rank-1 factors:
+
+    a_t = (h_{t-1} o s_h) W_hh^T                       (additive: (h_{t-1} + s_h) W_hh^T)
+    LSTM:  g = xi_t + a_t o r_h;  i, f, o = sigmoid, g~ = tanh;  c_t = f c + i g~;  m = o tanh(c_t)
+           h_t = m, or with a projection h_t = ((m o s_hr) W_hr^T) o r_hr
+    GRU:   gh = a_t o r_h + b_h;  r, z = sigmoid(xi + gh);  n = tanh(xi_n + r gh_n);  h_t = n + z (h - n)
+    RNN:   h_t = tanh / relu(xi_t + a_t o r_h)
+
+``xi`` (the input projection of *all* time steps, one matmul made by the caller) comes in as
+rows ``[N, G]`` in time-major order: step ``t`` owns rows ``offset_t : offset_t + batch_t``,
+the first ``batch_t`` sequences of the (length-sorted) batch, exactly the layout of a
+``PackedSequence``; a padded batch is the special case ``batch_t = B`` for every step.
+
+Why a custom backward: autograd through a Python loop records ~15 nodes per step and, per
+step, one matmul for the weight gradient. Here the per-step work is one matmul forward and one
+backward (the state gradient); the gradients of ``W_hh``, ``W_hr`` and of the factors are single
+large matmuls / reductions over all steps after the loop, and the gate derivatives are computed
+for all steps at once. Double backward is not supported.
+
+References:
+    Dusenberry et al., ICML 2020, Sec. 3 and App. (rank-1 LSTM); edward2 ``LSTMCellRank1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+__all__ = ["RecurrentScan", "row_positions"]
+
+
+def row_positions(batch_sizes: Sequence[int], device: torch.device) -> Tensor:
+    """The batch position of every row of a time-major packed layout (``[N]``, long)."""
+    sizes = torch.as_tensor(list(batch_sizes), dtype=torch.long)
+    if bool((sizes == sizes[0]).all()):
+        return torch.arange(int(sizes[0]), device=device).repeat(len(sizes))
+    offsets = torch.cumsum(sizes, 0) - sizes
+    total = int(sizes.sum())
+    return (torch.arange(total) - offsets.repeat_interleave(sizes)).to(device)
+
+
+def _row_sum(values: Tensor, pos: Tensor, batch: int, steps: int) -> Tensor:
+    """Sum ``values [N, F]`` over the time steps of each batch position: ``[batch, F]``."""
+    if values.shape[0] == batch * steps:  # uniform layout: a plain reduction
+        return values.view(steps, batch, -1).sum(0)
+    return values.new_zeros(batch, values.shape[1]).index_add_(0, pos, values)
+
+
+def _rows(values: Tensor, pos: Tensor, batch: int, steps: int) -> Tensor:
+    """Per-position ``values [batch, F]`` spread to every row ``[N, F]``."""
+    if pos.shape[0] == batch * steps:
+        return values.unsqueeze(0).expand(steps, batch, -1).reshape(batch * steps, -1)
+    return values.index_select(0, pos)
+
+
+class RecurrentScan(torch.autograd.Function):
+    """``(out [N, P], h_n [B, P](, c_n [B, H]))`` of one layer and direction; see the module doc.
+
+    Args (positional, for ``apply``):
+        xi: ``[N, G]`` input projections incl. biases (and, additive, ``r_h`` for LSTM / RNN).
+        h0: ``[B, P]``; c0: ``[B, H]`` (LSTM) or None.
+        w_hh: ``[G, P]``; s_h: ``[B, P]``; r_h: ``[B, G]`` or None (additive: folded elsewhere).
+        b_h: GRU recurrent bias ``[B, G]`` or None.
+        w_hr, s_hr, r_hr: LSTM projection ``[P, H]``, ``[B, H]``, ``[B, P]`` or None.
+        mode: ``"LSTM"``, ``"GRU"``, ``"RNN_TANH"`` or ``"RNN_RELU"``.
+        batch_sizes: rows per time step (python ints).
+        reverse: run from the last step to the first.
+        additive: the factors are added (``h + s``, ``p + r_hr``) instead of multiplied.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        xi: Tensor,
+        h0: Tensor,
+        c0: Tensor | None,
+        w_hh: Tensor,
+        s_h: Tensor,
+        r_h: Tensor | None,
+        b_h: Tensor | None,
+        w_hr: Tensor | None,
+        s_hr: Tensor | None,
+        r_hr: Tensor | None,
+        mode: str,
+        batch_sizes: Sequence[int],
+        reverse: bool,
+        additive: bool,
+    ) -> tuple[Tensor, ...]:
+        n_rows, gates = xi.shape
+        hidden = gates // {"LSTM": 4, "GRU": 3}.get(mode, 1)
+        batch, width = h0.shape
+        offsets = [0]
+        for size in batch_sizes:
+            offsets.append(offsets[-1] + size)
+        order = range(len(batch_sizes) - 1, -1, -1) if reverse else range(len(batch_sizes))
+
+        h = h0.clone()
+        h_prev = xi.new_empty(n_rows, width)  # h_{t-1} of every row
+        a_all = xi.new_empty(n_rows, gates)  # (h o s_h) W_hh^T of every row
+        act = xi.new_empty(n_rows, gates)  # gate activations
+        out = xi.new_empty(n_rows, width)
+        w_t = w_hh.t()
+        lstm, gru = mode == "LSTM", mode == "GRU"
+        if lstm:
+            c = c0.clone()  # type: ignore[union-attr]
+            c_prev = xi.new_empty(n_rows, hidden)
+            tanh_c = xi.new_empty(n_rows, hidden)
+            proj = xi.new_empty(n_rows, width) if w_hr is not None else None
+            w_hr_t = w_hr.t() if w_hr is not None else None
+        if gru:
+            gh_n = xi.new_empty(n_rows, hidden)
+
+        for t in order:
+            lo, size = offsets[t], batch_sizes[t]
+            hi = lo + size
+            hp = h[:size]
+            h_prev[lo:hi] = hp
+            hs = hp + s_h[:size] if additive else hp * s_h[:size]
+            a = torch.mm(hs, w_t, out=a_all[lo:hi])
+            x = xi[lo:hi]
+            gate = act[lo:hi]
+            if gru:
+                gh = a if r_h is None else a * r_h[:size]
+                if b_h is not None:
+                    gh = gh + b_h[:size]
+                torch.sigmoid(x[:, : 2 * hidden] + gh[:, : 2 * hidden], out=gate[:, : 2 * hidden])
+                gh_n[lo:hi] = gh[:, 2 * hidden :]
+                n = torch.tanh(
+                    torch.addcmul(x[:, 2 * hidden :], gate[:, :hidden], gh[:, 2 * hidden :]), out=gate[:, 2 * hidden :]
+                )
+                h_new = torch.addcmul(n, gate[:, hidden : 2 * hidden], hp - n)
+            else:
+                pre = x + a if r_h is None else torch.addcmul(x, a, r_h[:size])
+                if lstm:
+                    torch.sigmoid(pre, out=gate)
+                    torch.tanh(pre[:, 2 * hidden : 3 * hidden], out=gate[:, 2 * hidden : 3 * hidden])
+                    i, f, g, o = gate.chunk(4, 1)
+                    cp = c[:size]
+                    c_prev[lo:hi] = cp
+                    c_new = torch.addcmul(f * cp, i, g)
+                    c[:size] = c_new
+                    m = o * torch.tanh(c_new, out=tanh_c[lo:hi])
+                    if w_hr_t is not None:
+                        ms = m + s_hr[:size] if additive else m * s_hr[:size]  # type: ignore[index]
+                        p = torch.mm(ms, w_hr_t, out=proj[lo:hi])  # type: ignore[index]
+                        h_new = p + r_hr[:size] if additive else p * r_hr[:size]  # type: ignore[index]
+                    else:
+                        h_new = m
+                elif mode == "RNN_TANH":
+                    h_new = torch.tanh(pre, out=gate)
+                else:
+                    h_new = torch.clamp(pre, min=0, out=gate)
+            out[lo:hi] = h_new
+            h[:size] = h_new
+
+        ctx.meta = (mode, list(batch_sizes), offsets, list(order), additive, batch, hidden)
+        ctx.save_for_backward(w_hh, s_h, r_h, b_h, w_hr, s_hr, r_hr)
+        ctx.h_prev, ctx.a_all, ctx.act = h_prev, a_all, act
+        if lstm:
+            ctx.c_prev, ctx.tanh_c, ctx.proj = c_prev, tanh_c, proj
+            return out, h, c
+        if gru:
+            ctx.gh_n = gh_n
+        return out, h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, d_out: Tensor, d_hn: Tensor, d_cn: Tensor | None = None) -> tuple[Tensor | None, ...]:
+        mode, batch_sizes, offsets, order, additive, batch, hidden = ctx.meta
+        w_hh, s_h, r_h, b_h, w_hr, s_hr, r_hr = ctx.saved_tensors
+        h_prev, a_all, act = ctx.h_prev, ctx.a_all, ctx.act
+        steps, (n_rows, gates), width = len(batch_sizes), a_all.shape, h_prev.shape[1]
+        pos = row_positions(batch_sizes, a_all.device)
+        lstm, gru = mode == "LSTM", mode == "GRU"
+
+        dh = d_hn.clone()
+        d_xi = torch.empty_like(a_all)  # gradient of the input projections
+        d_pre = d_xi  # gradient of the recurrent pre-activation (a o r_h (+ b_h)); GRU: its own
+        d_hs = h_prev.new_empty(n_rows, width)  # gradient of h_{t-1} o s_h
+        # gate derivatives of every step, computed at once before the (sequential) loop
+        if lstm:
+            dc = d_cn.clone()  # type: ignore[union-attr]
+            i, f, g, o = act.chunk(4, 1)
+            tanh_c = ctx.tanh_c
+            scale = torch.cat([g * i * (1 - i), ctx.c_prev * f * (1 - f), i * (1 - g * g), tanh_c * o * (1 - o)], 1)
+            o_dtanh = o * (1 - tanh_c * tanh_c)
+            f = f.contiguous()
+            if w_hr is not None:
+                m_all = o * tanh_c
+                d_h_rows = h_prev.new_empty(n_rows, width)
+                d_ms = h_prev.new_empty(n_rows, hidden)
+        elif gru:
+            r, z, n = act.chunk(3, 1)
+            q1 = (1 - z) * (1 - n * n)
+            q2 = (h_prev - n) * z * (1 - z)
+            q3 = q1 * ctx.gh_n * r * (1 - r)
+            scale = torch.cat([q3, q2, q1], 1)
+            scale_h = torch.cat([q3, q2, q1 * r], 1)
+            z = z.contiguous()
+            d_pre = torch.empty_like(a_all)
+        else:
+            scale = 1 - act * act if mode == "RNN_TANH" else (act > 0).to(act.dtype)
+
+        for t in reversed(order):
+            lo, size = offsets[t], batch_sizes[t]
+            hi = lo + size
+            dha = dh[:size] + d_out[lo:hi]
+            if lstm:
+                if w_hr is not None:
+                    d_h_rows[lo:hi] = dha
+                    dp = dha if additive else dha * r_hr[:size]
+                    dms = torch.mm(dp, w_hr, out=d_ms[lo:hi])
+                    dm = dms if additive else dms * s_hr[:size]
+                else:
+                    dm = dha
+                dca = torch.addcmul(dc[:size], dm, o_dtanh[lo:hi])
+                dg = torch.mul(torch.cat((dca, dca, dca, dm), 1), scale[lo:hi], out=d_xi[lo:hi])
+                dc[:size] = dca * f[lo:hi]
+            elif gru:
+                dha3 = torch.cat((dha, dha, dha), 1)
+                torch.mul(dha3, scale[lo:hi], out=d_xi[lo:hi])
+                dg = torch.mul(dha3, scale_h[lo:hi], out=d_pre[lo:hi])
+            else:
+                dg = torch.mul(dha, scale[lo:hi], out=d_xi[lo:hi])
+            da = dg if r_h is None else dg * r_h[:size]
+            dhs = torch.mm(da, w_hh, out=d_hs[lo:hi])
+            dhp = dhs if additive else dhs * s_h[:size]
+            if gru:
+                dhp = torch.addcmul(dhp, dha, z[lo:hi])
+            dh[:size] = dhp
+
+        # everything that does not feed the recurrence: one reduction or matmul over all steps
+        need = ctx.needs_input_grad
+        d_whh = d_sh = d_rh = d_bh = d_whr = d_shr = d_rhr = None
+        if need[3]:
+            hs_all = h_prev + _rows(s_h, pos, batch, steps) if additive else h_prev * _rows(s_h, pos, batch, steps)
+            da_all = d_pre if r_h is None else d_pre * _rows(r_h, pos, batch, steps)
+            d_whh = da_all.t() @ hs_all
+        if need[4]:
+            d_sh = _row_sum(d_hs if additive else d_hs * h_prev, pos, batch, steps)
+        if r_h is not None and need[5]:
+            d_rh = _row_sum(d_pre * a_all, pos, batch, steps)
+        if b_h is not None and need[6]:
+            d_bh = _row_sum(d_pre, pos, batch, steps)
+        if lstm and w_hr is not None:
+            if need[7]:
+                ms_all = m_all + _rows(s_hr, pos, batch, steps) if additive else m_all * _rows(s_hr, pos, batch, steps)
+                dp_all = d_h_rows if additive else d_h_rows * _rows(r_hr, pos, batch, steps)
+                d_whr = dp_all.t() @ ms_all
+            if need[8]:
+                d_shr = _row_sum(d_ms if additive else d_ms * m_all, pos, batch, steps)
+            if need[9]:
+                d_rhr = _row_sum(d_h_rows if additive else d_h_rows * ctx.proj, pos, batch, steps)
+        d_c0 = dc if lstm else None
+        return d_xi, dh, d_c0, d_whh, d_sh, d_rh, d_bh, d_whr, d_shr, d_rhr, None, None, None, None

@@ -1,0 +1,414 @@
+"""Rank-1 recurrent layers: ``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` and the cells ``nn.LSTMCell``,
+``nn.GRUCell``, ``nn.RNNCell`` (and subclasses of any of them).
+
+As the reference ``LSTMCellRank1``, every layer and direction gets separate rank-1 factors on
+its input kernel (``s_ih``: input size, ``r_ih``: gates) and its recurrent kernel (``s_hh``:
+hidden or projection size, ``r_hh``: gates), plus per-component bias offsets:
+
+    gates_t = ((x_t o s_ih) W_ih^T) o r_ih + ((h_{t-1} o s_hh) W_hh^T) o r_hh + b_ih + b_hh + delta_k
+
+An LSTM with ``proj_size`` also gets factors on its projection ``W_hr`` (``s_hr``: hidden,
+``r_hr``: proj size; the reference has no projection). For a GRU the recurrent bias stays on
+the recurrent side (``r o (W_hn h + b_hn)``), so it gets its own offsets (``rank1_bias_hh*``).
+The original weights and biases (``weight_ih_l0``, ``weight_hh_l0_reverse``, ...) are shared.
+
+Samples are drawn once per example and held across all time steps: once per forward pass of
+the converted model, so a model that steps a cell (or an ``nn.LSTM``) in its own loop keeps the
+same weights for the whole sequence. The input projection of all time steps is one matmul
+per layer and direction; the recurrence runs in :class:`~bayesify.wrappers._scan.RecurrentScan`
+with a hand-written backward pass.
+
+Where the batch lies is read from the layer (``batch_first``, unbatched 2-D input,
+``PackedSequence``), not from ``convert(batch_dim=...)``. For a ``PackedSequence`` the samples of
+example ``i`` follow it through ``sorted_indices``.
+
+Deviation from the reference: the reference's per-component biases are full copies; here
+``b_k = b + delta_k`` with the original bias shared (the same family of functions).
+
+References:
+    Dusenberry et al., ICML 2020, Sec. 3 and App. (MIMIC-III LSTM); edward2 ``LSTMCellRank1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten
+
+from bayesify.config import Rank1Config
+from bayesify.options import Perturbation
+from bayesify.wrappers._scan import RecurrentScan, row_positions
+from bayesify.wrappers.base import Rank1Layer
+
+__all__ = ["Rank1RNN", "Rank1RNNCell"]
+
+_GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
+
+
+class _Rank1Recurrent(Rank1Layer):
+    """What recurrent modules and cells share: factors per kernel, cached draws, input projection."""
+
+    _rank1_mode: str
+
+    # ---- set-up ---------------------------------------------------------------------------
+
+    def _rank1_add_kernels(self, tag: str, config: Rank1Config) -> None:
+        """Factors (and bias offsets) of the kernels ``weight_ih{tag}``, ``weight_hh{tag}``, ``weight_hr{tag}``."""
+        params = self._parameters
+        w_ih, w_hh, w_hr = params[f"weight_ih{tag}"], params[f"weight_hh{tag}"], params.get(f"weight_hr{tag}")
+        for kernel, weight in (("ih", w_ih), ("hh", w_hh), ("hr", w_hr)):
+            if weight is None:
+                continue
+            setattr(self, f"rank1_s_{kernel}{tag}", self._rank1_new_factor(weight.shape[1], config))
+            setattr(self, f"rank1_r_{kernel}{tag}", self._rank1_new_factor(weight.shape[0], config))
+        bias = params.get(f"bias_ih{tag}")
+        if bias is not None:
+            zeros = torch.zeros(config.components, w_ih.shape[0], device=bias.device, dtype=bias.dtype)
+            setattr(self, f"rank1_bias_ih{tag}", nn.Parameter(zeros))
+            if self._rank1_mode == "GRU":
+                setattr(self, f"rank1_bias_hh{tag}", nn.Parameter(zeros.clone()))
+
+    # ---- per-forward samples ----------------------------------------------------------------
+
+    def _rank1_draws(self, n: int, device: torch.device) -> dict[str, Tensor]:
+        """Every factor sampled for ``n`` examples, and the bias offsets of their components.
+
+        Within one forward pass of the converted model the same draws are returned for the same
+        ``n``, so samples stay fixed across time steps and repeated calls (the reference draws
+        once per sequence).
+        """
+        ctx = self._rank1_context
+        rows, noise = self._rank1_rows(n, device)
+        cache = self.__dict__.get("_rank1_cache")
+        key = (n, noise, device)
+        if ctx.active and cache is not None and cache[0] is ctx.rows and key in cache[1]:
+            return cache[1][key]
+        draws = {name: factor.sample(rows, noise) for name, factor in self.rank1_factors()}
+        for name, param in self._parameters.items():
+            if name.startswith("rank1_bias") and param is not None:
+                draws[name] = param[rows]
+        if ctx.active:
+            if cache is None or cache[0] is not ctx.rows:
+                cache = (ctx.rows, {})
+                self.__dict__["_rank1_cache"] = cache
+            cache[1][key] = draws
+        return draws
+
+    def _rank1_tile_state(self, state: Tensor, batch: int, dim: int) -> Tensor:
+        """An initial state given for the B examples of a tiled (K x B) batch: the same for every member."""
+        ctx = self._rank1_context
+        size = state.shape[dim]
+        if size != batch and ctx.active and ctx.tiles > 1 and size * ctx.tiles == batch:
+            return torch.cat([state] * ctx.tiles, dim)
+        return state
+
+    # ---- maths ------------------------------------------------------------------------------
+
+    @property
+    def _rank1_additive(self) -> bool:
+        return self.rank1_config.perturbation is Perturbation.ADDITIVE
+
+    def _rank1_input_gates(self, x: Tensor, tag: str, draws: dict[str, Tensor], steps: int, pos: Tensor | None) -> Tensor:
+        """``[N, G]`` input projections of every time step (one matmul), biases included.
+
+        ``x`` is ``[N, F]`` in time-major packed order; ``pos`` the batch position of every row
+        (None: uniform ``[steps, B]`` layout).
+        """
+        params, additive, mode = self._parameters, self._rank1_additive, self._rank1_mode
+        batch = draws[f"rank1_s_ih{tag}"].shape[0]
+
+        def per_row(v: Tensor) -> Tensor:  # [B, F] -> broadcastable against the rows
+            if pos is None:
+                return v.unsqueeze(0)
+            return v.index_select(0, pos)
+
+        rows = x.view(steps, batch, -1) if pos is None else x
+        s, r = per_row(draws[f"rank1_s_ih{tag}"]), per_row(draws[f"rank1_r_ih{tag}"])
+        y = F.linear(rows + s if additive else rows * s, params[f"weight_ih{tag}"])
+        offset: Tensor | None = params.get(f"bias_ih{tag}")
+        if offset is not None:
+            if mode != "GRU":  # GRU keeps b_hh on the recurrent side (inside r o (...))
+                offset = offset + params[f"bias_hh{tag}"]
+            offset = offset + per_row(draws[f"rank1_bias_ih{tag}"])
+        if additive:
+            y = y + r
+            if mode != "GRU":  # the recurrent r_hh is a constant shift of the gates: added here once
+                y = y + per_row(draws[f"rank1_r_hh{tag}"])
+            out = y if offset is None else y + offset
+        else:
+            out = y * r if offset is None else torch.addcmul(offset, y, r)
+        return out.reshape(x.shape[0], -1)
+
+    def _rank1_scan(
+        self,
+        xi: Tensor,
+        h0: Tensor,
+        c0: Tensor | None,
+        tag: str,
+        draws: dict[str, Tensor],
+        batch_sizes: list[int],
+        reverse: bool,
+    ) -> tuple[Tensor, ...]:
+        params, additive, mode = self._parameters, self._rank1_additive, self._rank1_mode
+        r_h = None if additive else draws[f"rank1_r_hh{tag}"]
+        b_h = None
+        if mode == "GRU":
+            b_hh = params.get(f"bias_hh{tag}")
+            parts = [] if b_hh is None else [b_hh.unsqueeze(0), draws[f"rank1_bias_hh{tag}"]]
+            if additive:
+                parts.append(draws[f"rank1_r_hh{tag}"])
+            if parts:
+                b_h = parts[-1]
+                for part in parts[:-1]:
+                    b_h = b_h + part
+        w_hr = params.get(f"weight_hr{tag}")
+        s_hr = r_hr = None
+        if w_hr is not None:
+            s_hr, r_hr = draws[f"rank1_s_hr{tag}"], draws[f"rank1_r_hr{tag}"]
+        return RecurrentScan.apply(
+            xi, h0, c0, params[f"weight_hh{tag}"], draws[f"rank1_s_hh{tag}"], r_h, b_h, w_hr, s_hr, r_hr,
+            mode, batch_sizes, reverse, additive,
+        )  # fmt: skip
+
+    # ---- a recurrent layer used as the model: where the batch lies (see _routing.py) -------------
+
+    def _rank1_io_axes(self, x: Any) -> tuple[int, int]:
+        """``(axis of the input's batch, axis of the states' batch)``; for an unbatched input, where
+        torch itself inserts the batch axis."""
+        raise NotImplementedError
+
+    def _rank1_batch_axis(self, x: Any) -> int | None:
+        if isinstance(x, PackedSequence):
+            return 1  # the states' axis; the sequences themselves are tiled as a PackedSequence
+        return self._rank1_io_axes(x)[0] if x.dim() == self._rank1_batched_dim else None
+
+    def _rank1_input_axes(self, args: tuple, kwargs: dict) -> list[int | None]:
+        leaves, _ = tree_flatten((args, kwargs), is_leaf=lambda v: isinstance(v, PackedSequence))
+        x = args[0] if args else kwargs.get("input")
+        x_axis, state_axis = self._rank1_io_axes(x)
+        return [x_axis if leaf is x else state_axis for leaf in leaves]
+
+    def _rank1_output_axes(self, output: Any) -> list[int | None]:
+        leaves, _ = tree_flatten(output, is_leaf=lambda v: isinstance(v, PackedSequence))
+        first = leaves[0] if leaves else None
+        x_axis, state_axis = self._rank1_io_axes(first)
+        return [x_axis if i == 0 else state_axis for i in range(len(leaves))]
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state.pop("_rank1_cache", None)  # draws of the last forward pass: not state
+        return state
+
+    def revert(self) -> nn.Module:
+        self.__dict__.pop("_rank1_cache", None)
+        return super().revert()
+
+
+class Rank1RNN(_Rank1Recurrent):
+    """Rank-1 ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN``: every option of torch's modules.
+
+    ``num_layers``, ``bidirectional``, ``batch_first``, ``dropout`` between layers (training
+    only), LSTM ``proj_size``, ``bias``, an initial state given or not, unbatched 2-D input and
+    ``PackedSequence`` input; output and state shapes are torch's. Factors per layer and
+    direction are named after the weight they scale: ``rank1_s_ih_l0``, ``rank1_r_hh_l1_reverse``,
+    ``rank1_bias_ih_l0``, ...
+
+    Example:
+        >>> net = bayesify.convert(nn.Sequential(...nn.LSTM(8, 32, batch_first=True)...))
+        >>> out, (h, c) = lstm(x)      # inside: one sample of every factor per example
+
+    References:
+        Dusenberry et al., ICML 2020; edward2 ``LSTMCellRank1``.
+    """
+
+    source_types = (nn.LSTM, nn.GRU, nn.RNN)
+
+    @property
+    def _rank1_mode(self) -> str:  # type: ignore[override]
+        return self.mode
+
+    _rank1_batched_dim = 3
+
+    def _rank1_io_axes(self, x: Any) -> tuple[int, int]:
+        if isinstance(x, PackedSequence):
+            return 0, 1
+        return (0 if self.batch_first else 1), 1
+
+    def _rank1_tags(self) -> list[str]:
+        directions = ("", "_reverse") if self.bidirectional else ("",)
+        return [f"_l{layer}{suffix}" for layer in range(self.num_layers) for suffix in directions]
+
+    def _rank1_setup(self, config: Rank1Config) -> None:
+        if self.mode not in _GATES:
+            raise TypeError(f"{type(self).__name__} has mode={self.mode!r}; rank-1 supports {sorted(_GATES)}.")
+        for tag in self._rank1_tags():
+            self._rank1_add_kernels(tag, config)
+
+    def forward(self, input: Tensor | PackedSequence, hx: Any = None) -> tuple[Any, Any]:
+        name = type(self).__rank1_base__.__name__
+        mode = self.mode
+        lstm = mode == "LSTM"
+        directions = 2 if self.bidirectional else 1
+        width = self.proj_size if getattr(self, "proj_size", 0) > 0 else self.hidden_size
+        packed = isinstance(input, PackedSequence)
+        if packed:
+            x, batch_sizes_t, sorted_indices, unsorted_indices = input
+            batch_sizes = [int(b) for b in batch_sizes_t.tolist()]
+            batch, steps, unbatched = batch_sizes[0], len(batch_sizes), False
+        else:
+            if not isinstance(input, Tensor) or input.dim() not in (2, 3):
+                got = f"{input.dim()}D" if isinstance(input, Tensor) else type(input).__name__
+                raise ValueError(f"{name}: Expected input to be 2D or 3D, got {got} instead")
+            unbatched = input.dim() == 2
+            seq = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if self.batch_first else input)
+            steps, batch = seq.shape[:2]
+            batch_sizes = [batch] * steps
+            x = seq.reshape(steps * batch, seq.shape[2])
+            sorted_indices = unsorted_indices = None
+        if x.shape[-1] != self.input_size:
+            raise RuntimeError(
+                f"input.size(-1) must be equal to input_size. Expected {self.input_size}, got {x.shape[-1]}"
+            )
+        h0, c0 = self._rank1_initial_state(hx, batch, unbatched, x, sorted_indices, width)
+
+        draws = self._rank1_draws(batch, x.device)
+        if sorted_indices is not None:  # per-example samples follow each sequence into sorted order
+            draws = {k: v.index_select(0, sorted_indices) for k, v in draws.items()}
+        uniform = all(b == batch for b in batch_sizes)
+        pos = None if uniform else row_positions(batch_sizes, x.device)
+
+        layer_x = x
+        h_n: list[Tensor] = []
+        c_n: list[Tensor] = []
+        tags = self._rank1_tags()
+        for layer in range(self.num_layers):
+            outs = []
+            for direction in range(directions):
+                k = layer * directions + direction
+                tag = tags[k]
+                xi = self._rank1_input_gates(layer_x, tag, draws, steps, pos)
+                result = self._rank1_scan(xi, h0[k], c0[k] if lstm else None, tag, draws, batch_sizes, direction == 1)
+                outs.append(result[0])
+                h_n.append(result[1])
+                if lstm:
+                    c_n.append(result[2])
+            layer_x = outs[0] if directions == 1 else torch.cat(outs, 1)
+            if self.dropout and self.training and layer < self.num_layers - 1:
+                layer_x = F.dropout(layer_x, self.dropout, training=True)
+
+        hidden: Any = torch.stack(h_n)
+        cell = torch.stack(c_n) if lstm else None
+        if unsorted_indices is not None:
+            hidden = hidden.index_select(1, unsorted_indices)
+            cell = cell.index_select(1, unsorted_indices) if cell is not None else None
+        if packed:
+            out_packed = PackedSequence(layer_x, batch_sizes_t, sorted_indices, unsorted_indices)
+            return out_packed, ((hidden, cell) if lstm else hidden)
+        out = layer_x.view(steps, batch, -1)
+        if unbatched:
+            out, hidden = out.squeeze(1), hidden.squeeze(1)
+            cell = cell.squeeze(1) if cell is not None else None
+        elif self.batch_first:
+            out = out.transpose(0, 1).contiguous()
+        return out, ((hidden, cell) if lstm else hidden)
+
+    def _rank1_initial_state(
+        self, hx: Any, batch: int, unbatched: bool, x: Tensor, sorted_indices: Tensor | None, width: int
+    ) -> tuple[Tensor, Tensor | None]:
+        lstm = self.mode == "LSTM"
+        count = self.num_layers * (2 if self.bidirectional else 1)
+        if hx is None:
+            h0 = x.new_zeros(count, batch, width)
+            return h0, (x.new_zeros(count, batch, self.hidden_size) if lstm else None)
+        if lstm:
+            if not (isinstance(hx, (tuple, list)) and len(hx) == 2):
+                raise TypeError(f"LSTM hx must be a tuple (h_0, c_0) of tensors, got {type(hx).__name__}.")
+            states = list(hx)
+        else:
+            states = [hx]
+        want = 2 if unbatched else 3
+        if any(s.dim() != want for s in states):
+            kind = "unbatched 2-D" if unbatched else "batched 3-D"
+            raise RuntimeError(
+                f"For {kind} input, hx should also be {want}-D but got {[s.dim() for s in states]}-D tensor(s)"
+            )
+        if unbatched:
+            states = [s.unsqueeze(1) for s in states]
+        states = [self._rank1_tile_state(s, batch, 1) for s in states]
+        if sorted_indices is not None:
+            states = [s.index_select(1, sorted_indices) for s in states]
+        sizes = [(count, batch, width), (count, batch, self.hidden_size)]
+        for i, (s, expected) in enumerate(zip(states, sizes)):
+            if tuple(s.shape) != expected:
+                which = f"hidden[{i}]" if lstm else "hidden"
+                raise RuntimeError(f"Expected {which} size {expected}, got {list(s.shape)}")
+        return states[0], (states[1] if lstm else None)
+
+
+class Rank1RNNCell(_Rank1Recurrent):
+    """Rank-1 ``nn.LSTMCell`` / ``nn.GRUCell`` / ``nn.RNNCell``, batched ``[B, F]`` or unbatched ``[F]``.
+
+    One call is one time step. Samples are drawn once per forward pass of the converted model
+    and reused by every call in it, so a model that loops over time steps keeps one sample per
+    example for the whole sequence (as the reference ``LSTMCellRank1`` inside an RNN layer). A
+    converted cell called on its own (it is the root) draws afresh at every call; use
+    ``bayesify.mode(model, noise=False)`` or loop inside a module to hold samples.
+
+    References:
+        Dusenberry et al., ICML 2020; edward2 ``LSTMCellRank1``.
+    """
+
+    source_types = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
+
+    @property
+    def _rank1_mode(self) -> str:  # type: ignore[override]
+        if isinstance(self, nn.LSTMCell):
+            return "LSTM"
+        if isinstance(self, nn.GRUCell):
+            return "GRU"
+        return "RNN_RELU" if self.nonlinearity == "relu" else "RNN_TANH"
+
+    _rank1_batched_dim = 2
+
+    def _rank1_io_axes(self, x: Any) -> tuple[int, int]:
+        return 0, 0
+
+    def _rank1_setup(self, config: Rank1Config) -> None:
+        if isinstance(self, nn.RNNCell) and self.nonlinearity not in ("tanh", "relu"):
+            raise ValueError(f"RNNCell nonlinearity={self.nonlinearity!r} is not 'tanh' or 'relu'.")
+        self._rank1_add_kernels("", config)
+
+    def forward(self, input: Tensor, hx: Any = None) -> Any:
+        name = type(self).__rank1_base__.__name__
+        lstm = self._rank1_mode == "LSTM"
+        if input.dim() not in (1, 2):
+            raise ValueError(f"{name}: Expected input to be 1D or 2D, got {input.dim()}D instead")
+        batched = input.dim() == 2
+        x = input if batched else input.unsqueeze(0)
+        batch = x.shape[0]
+        if hx is None:
+            zeros = x.new_zeros(batch, self.hidden_size)
+            states = [zeros, zeros] if lstm else [zeros]
+        else:
+            states = list(hx) if lstm else [hx]
+            for i, s in enumerate(states):
+                if s.dim() not in (1, 2):
+                    which = f"hx[{i}]" if lstm else "hidden"
+                    raise ValueError(f"{name}: Expected {which} to be 1D or 2D, got {s.dim()}D instead")
+            states = [s if batched else s.unsqueeze(0) for s in states]
+            states = [self._rank1_tile_state(s, batch, 0) for s in states]
+        if x.shape[1] != self.input_size:
+            raise RuntimeError(f"input has inconsistent input_size: got {x.shape[1]} expected {self.input_size}")
+        draws = self._rank1_draws(batch, x.device)
+        xi = self._rank1_input_gates(x, "", draws, 1, None)
+        result = self._rank1_scan(xi, states[0], states[1] if lstm else None, "", draws, [batch], False)
+        if lstm:
+            h, c = result[1], result[2]
+            return (h, c) if batched else (h.squeeze(0), c.squeeze(0))
+        return result[1] if batched else result[1].squeeze(0)
