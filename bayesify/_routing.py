@@ -76,10 +76,19 @@ class Rank1Context:
             return 1
         return self.components * spec.samples
 
+    def live(self) -> bool:
+        """Whether a forward pass of the converted root is routing rows right now.
+
+        True inside the root's forward, and also in a backward pass that recomputes parts of the
+        last forward (activation checkpointing): the recomputation must route every row through
+        the component it went through, and torch's checkpoint replays the RNG, so the samples match.
+        """
+        return self.active or (self.rows is not None and _in_backward())
+
     def rows_for(self, n: int, device: torch.device) -> Tensor:
         """Component index of each of the ``n`` rows of a layer's input."""
         rows = self.rows
-        if not self.active or rows is None:
+        if rows is None or not self.live():
             # called outside the converted root's forward (a submodule used on its own):
             # no shared routing exists, so each row gets its own random component
             return torch.randint(self.components, (n,), device=device)
@@ -146,7 +155,8 @@ class Rank1Context:
 
     def end(self, module: nn.Module, output: object) -> object:
         spec, batch, tiles, axis = self.spec, self.batch_size, self.tiles, self.axis
-        self.active, self.rows, self.spec = False, None, None
+        # rows and noise stay for a backward pass that recomputes this forward (see live())
+        self.active, self.spec = False, None
         if spec is None or spec.route is not Route.MIXTURE:
             return output
         reduction = spec.reduction or self.reduction
@@ -213,6 +223,10 @@ def _reduce_packed(packed: PackedSequence, tiles: int, batch: int, reduction: Re
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(batch, device=device)
     return PackedSequence(reduced, sizes, order, inverse)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _reduce(members: Tensor, reduction: Reduction) -> Tensor:

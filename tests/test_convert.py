@@ -6,6 +6,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune
 from torch import nn
 
 import bayesify
@@ -213,3 +214,26 @@ def test_summary_names_a_weight_used_outside_forward() -> None:
     assert "never ran" in report.bypassed["unused"]
     assert "head" not in report.bypassed
     assert "converted but not in the compute path" in str(report)
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda m: torch.nn.utils.parametrizations.weight_norm(m),
+        lambda m: torch.nn.utils.parametrizations.spectral_norm(m),
+        lambda m: torch.nn.utils.prune.l1_unstructured(m, "weight", amount=0.5),
+    ],
+    ids=["weight_norm", "spectral_norm", "prune"],
+)
+@pytest.mark.parametrize("make,shape", [(lambda: nn.Linear(6, 4), (3, 6)), (lambda: nn.Conv2d(3, 4, 3), (2, 3, 7, 7))])
+def test_parametrized_and_pruned_layers(wrap, make, shape) -> None:
+    layer = make().eval()
+    wrap(layer)
+    x = torch.randn(*shape)
+    ref = layer(x)
+    bayesify.convert(layer, components=2)
+    with bayesify.mode(layer, route="tile", noise=False):
+        torch.testing.assert_close(layer(x), torch.cat([ref, ref]))
+    layer.train()
+    layer(x).sum().backward()
+    assert layer.rank1_s.loc.grad is not None

@@ -60,7 +60,8 @@ class Rank1Affine(Rank1Layer):
 
     def forward(self, input: Tensor, *args: object, **kwargs: object) -> Tensor:
         base = type(self).__rank1_base__
-        if base.forward in self._rank1_known_forwards and not args and not kwargs:
+        # fast path: a plain torch layer whose weight is a Parameter (not a parametrization / pruning mask)
+        if base.forward in self._rank1_known_forwards and not args and not kwargs and "weight" in self._parameters:
             return self._rank1_apply(input, self._rank1_core, self._parameters.get("bias"), bias_in_core=False)
 
         # a subclass with its own forward (weight standardisation, same padding, ...): run it as is

@@ -129,7 +129,7 @@ class Rank1Layer(nn.Module):
         """Component index of each of ``n`` rows and whether to sample (noise) this call."""
         ctx: Rank1Context = self._rank1_context
         rows = ctx.rows_for(n, device)
-        return rows, (ctx.noise if ctx.active else True)
+        return rows, (ctx.noise if ctx.live() else True)
 
     def _rank1_functional_handlers(self) -> dict[Callable, Callable]:
         """``{torch function: handler(args, kwargs)}`` for calls on an intercepted weight."""
@@ -142,7 +142,7 @@ class Rank1Layer(nn.Module):
         if name in type(self)._rank1_intercepted:
             state = self.__dict__
             ctx = state.get("_rank1_context")
-            if ctx is not None and ctx.active and not state.get("_rank1_busy", False):
+            if ctx is not None and ctx.live() and not state.get("_rank1_busy", False):
                 return intercept(value, self)
         return value
 
