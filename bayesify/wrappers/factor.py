@@ -80,7 +80,8 @@ class Rank1Factor(nn.Module):
         loc = self.loc[rows]
         if not noise or self.rho is None:
             return loc
-        value = distributions.rsample(self.config.posterior, loc, F.softplus(self.rho[rows]) + _MIN_SCALE)
+        # softplus on the K x F table, then gather: cheaper than per row when the batch exceeds K
+        value = distributions.rsample(self.config.posterior, loc, (F.softplus(self.rho) + _MIN_SCALE)[rows])
         if self.config.clip is not None:
             value = value.clamp(-self.config.clip, self.config.clip)  # reference: heavy tails clipped to [-10, 10]
         return value
