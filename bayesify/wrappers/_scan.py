@@ -52,11 +52,13 @@ def _row_sum(values: Tensor, pos: Tensor, batch: int, steps: int) -> Tensor:
     return values.new_zeros(batch, values.shape[1]).index_add_(0, pos, values)
 
 
-def _rows(values: Tensor, pos: Tensor, batch: int, steps: int) -> Tensor:
-    """Per-position ``values [batch, F]`` spread to every row ``[N, F]``."""
-    if pos.shape[0] == batch * steps:
-        return values.unsqueeze(0).expand(steps, batch, -1).reshape(batch * steps, -1)
-    return values.index_select(0, pos)
+def _with_rows(values: Tensor, per_position: Tensor, pos: Tensor, batch: int, steps: int, add: bool) -> Tensor:
+    """``values [N, F]`` plus / times ``per_position [batch, F]`` spread to every row."""
+    if values.shape[0] == batch * steps:  # uniform layout: broadcast, no gathered copy
+        grid = values.view(steps, batch, -1)
+        return (grid + per_position if add else grid * per_position).view(values.shape)
+    spread = per_position.index_select(0, pos)
+    return values + spread if add else values * spread
 
 
 class RecurrentScan(torch.autograd.Function):
@@ -239,8 +241,8 @@ class RecurrentScan(torch.autograd.Function):
         need = ctx.needs_input_grad
         d_whh = d_sh = d_rh = d_bh = d_whr = d_shr = d_rhr = None
         if need[3]:
-            hs_all = h_prev + _rows(s_h, pos, batch, steps) if additive else h_prev * _rows(s_h, pos, batch, steps)
-            da_all = d_pre if r_h is None else d_pre * _rows(r_h, pos, batch, steps)
+            hs_all = _with_rows(h_prev, s_h, pos, batch, steps, additive)
+            da_all = d_pre if r_h is None else _with_rows(d_pre, r_h, pos, batch, steps, False)
             d_whh = da_all.t() @ hs_all
         if need[4]:
             d_sh = _row_sum(d_hs if additive else d_hs * h_prev, pos, batch, steps)
@@ -250,8 +252,8 @@ class RecurrentScan(torch.autograd.Function):
             d_bh = _row_sum(d_pre, pos, batch, steps)
         if lstm and w_hr is not None:
             if need[7]:
-                ms_all = m_all + _rows(s_hr, pos, batch, steps) if additive else m_all * _rows(s_hr, pos, batch, steps)
-                dp_all = d_h_rows if additive else d_h_rows * _rows(r_hr, pos, batch, steps)
+                ms_all = _with_rows(m_all, s_hr, pos, batch, steps, additive)
+                dp_all = d_h_rows if additive else _with_rows(d_h_rows, r_hr, pos, batch, steps, False)
                 d_whr = dp_all.t() @ ms_all
             if need[8]:
                 d_shr = _row_sum(d_ms if additive else d_ms * m_all, pos, batch, steps)
