@@ -11,6 +11,7 @@ from bayesify import _routing
 from bayesify.config import Rank1Config
 from bayesify.modules import rank1_layers
 from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction
+from bayesify.wrappers.attention import Rank1MultiheadAttention
 from bayesify.wrappers.base import Rank1Layer
 from bayesify.wrappers.conv import Rank1Conv, Rank1ConvTranspose
 from bayesify.wrappers.linear import Rank1Linear
@@ -33,6 +34,7 @@ _DEFAULT_MAPPING: dict[type[nn.Module], type[Rank1Layer]] = {
     nn.LSTMCell: Rank1RNNCell,
     nn.GRUCell: Rank1RNNCell,
     nn.RNNCell: Rank1RNNCell,
+    nn.MultiheadAttention: Rank1MultiheadAttention,
 }
 
 
@@ -179,7 +181,7 @@ def convert(
     used_patterns: set[str] = set()
     converted_prefixes: list[str] = []
     for name, module in model.named_modules():
-        if any(name.startswith(p + ".") for p in converted_prefixes):
+        if any(p == "" or name.startswith(p + ".") for p in converted_prefixes if p != name):
             continue  # never convert inside a layer that is converted (it would stack factors)
         already = isinstance(module, Rank1Layer)
         wrapper = None if already else _lookup(module, table)

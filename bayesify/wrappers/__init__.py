@@ -1,5 +1,6 @@
 """Rank-1 layer wrappers, one file per layer family, and the base they share."""
 
+from bayesify.wrappers.attention import Rank1MultiheadAttention
 from bayesify.wrappers.base import Rank1Layer
 from bayesify.wrappers.conv import Rank1Conv, Rank1ConvTranspose
 from bayesify.wrappers.factor import Rank1Factor
@@ -12,6 +13,7 @@ __all__ = [
     "Rank1Factor",
     "Rank1Layer",
     "Rank1Linear",
+    "Rank1MultiheadAttention",
     "Rank1RNN",
     "Rank1RNNCell",
 ]

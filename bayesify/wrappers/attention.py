@@ -1,0 +1,303 @@
+"""Rank-1 ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer`` / ``DecoderLayer`` /
+``nn.Transformer``, whose attention it is).
+
+Each projection gets its own rank-1 factors and per-component bias offsets: ``q``, ``k``, ``v``
+(``s``: the projection's input size, i.e. ``embed_dim``, ``kdim`` or ``vdim``; ``r``: ``embed_dim``)
+whether the weights are one fused ``in_proj_weight`` or separate ``q/k/v_proj_weight``, and the
+output projection ``out_proj`` (``rank1_s_out`` / ``rank1_r_out``). The child ``out_proj`` stays
+a plain Linear holding the shared weight: this layer does its maths.
+
+The forward pass is torch's own ``F.multi_head_attention_forward`` step for step (every option:
+``batch_first``, unbatched input, ``key_padding_mask``, ``attn_mask``, ``is_causal``,
+``need_weights`` / ``average_attn_weights``, ``bias``, ``add_bias_kv``, ``add_zero_attn``,
+dropout) with the four projections made rank-1. It never takes torch's inference fast path
+(``torch._native_multi_head_attention``), and while the converted model runs, reading
+``in_proj_weight`` from outside returns an intercepted view (see ``_intercept.py``), whose
+``__torch_function__`` makes ``nn.TransformerEncoderLayer`` / ``nn.TransformerEncoder`` skip
+their fused fast paths (``torch._transformer_encoder_layer_fwd``, nested tensors) as well.
+
+References:
+    Dusenberry et al., ICML 2020, Sec. 3 (rank-1 factors on every weight matrix); Vaswani et al.,
+    NeurIPS 2017 (multi-head attention).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from bayesify.config import Rank1Config
+from bayesify.options import Perturbation
+from bayesify.wrappers.base import Rank1Layer
+
+__all__ = ["Rank1MultiheadAttention"]
+
+
+def _canonical(mask: Tensor | None, name: str, other: Tensor | None, dtype: torch.dtype, check: bool = True) -> Tensor | None:
+    """torch's ``F._canonical_mask``: a boolean mask becomes an additive float mask (-inf where True)."""
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool and not torch.is_floating_point(mask):
+        raise AssertionError(f"only bool and floating types of {name} are supported")
+    if check and other is not None and mask.dtype != other.dtype:
+        import warnings
+
+        warnings.warn(f"Support for mismatched {name} and attn_mask is deprecated. Use same type for both instead.")
+    if not torch.is_floating_point(mask):
+        mask = torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
+    return mask
+
+
+class Rank1MultiheadAttention(Rank1Layer):
+    """Rank-1 ``nn.MultiheadAttention``: q, k, v and out projections each ``((x o s) W^T) o r + b_k``.
+
+    Example:
+        >>> layer = nn.TransformerEncoderLayer(64, 4, batch_first=True)
+        >>> bayesify.convert(layer)          # self_attn (q, k, v, out) and linear1 / linear2 rank-1
+
+    References:
+        Dusenberry et al., ICML 2020.
+    """
+
+    source_types = (nn.MultiheadAttention,)
+    # read from outside during a forward pass (e.g. TransformerEncoderLayer's fast-path checks):
+    # an intercepted view, so those fused kernels are never taken
+    _rank1_intercepted = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
+
+    def _rank1_setup(self, config: Rank1Config) -> None:
+        e = self.embed_dim
+        for name, fan_in in (("q", e), ("k", self.kdim), ("v", self.vdim), ("out", e)):
+            setattr(self, f"rank1_s_{name}", self._rank1_new_factor(fan_in, config))
+            setattr(self, f"rank1_r_{name}", self._rank1_new_factor(e, config))
+        like = self._parameters.get("in_proj_weight")
+        if like is None:
+            like = self._parameters["q_proj_weight"]
+        kwargs = {"device": like.device, "dtype": like.dtype}
+        if self._parameters.get("in_proj_bias") is not None:
+            self.rank1_bias_in = nn.Parameter(torch.zeros(config.components, 3 * e, **kwargs))
+        else:
+            self.register_parameter("rank1_bias_in", None)
+        if self.out_proj.bias is not None:
+            self.rank1_bias_out = nn.Parameter(torch.zeros(config.components, e, **kwargs))
+        else:
+            self.register_parameter("rank1_bias_out", None)
+
+    # ---- a MultiheadAttention used as the model: where the batch lies (see _routing.py) --------
+
+    def _rank1_qkv_axis(self) -> int:
+        return 0 if self.batch_first else 1
+
+    def _rank1_batch_axis(self, query: Tensor) -> int | None:
+        return self._rank1_qkv_axis() if query.dim() == 3 else None
+
+    def _rank1_input_axes(self, args: tuple, kwargs: dict) -> list[int | None]:
+        # one axis per leaf, in the order _routing flattens (args, kwargs); attn_mask [L, S] is shared
+        # by all examples and [B * heads, L, S] is tiled in forward (its first axis is not the batch)
+        axis = self._rank1_qkv_axis()
+        axes = {"query": axis, "key": axis, "value": axis, "key_padding_mask": 0}
+        names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
+        leaves: list[int | None] = []
+        for name, value in [*zip(names, args), *kwargs.items()]:
+            leaves += [axes.get(name)] * len(tree_flatten(value)[0])
+        return leaves
+
+    def _rank1_output_axes(self, output: Any) -> list[int | None]:
+        return [self._rank1_qkv_axis(), 0]
+
+    # ---- maths ------------------------------------------------------------------------------
+
+    def _rank1_project(self, x: Tensor, name: str, weight: Tensor, bias: Tensor | None, rows: Tensor, noise: bool) -> Tensor:
+        """``((x o s) W^T) o r + b + delta`` of ``x [L, B, F]``; per-example factors broadcast over L."""
+        s = getattr(self, f"rank1_s_{name}").sample(rows, noise).to(x.dtype).unsqueeze(0)
+        r = getattr(self, f"rank1_r_{name}").sample(rows, noise).to(x.dtype).unsqueeze(0)
+        additive = self.rank1_config.perturbation is Perturbation.ADDITIVE
+        y = F.linear(x + s if additive else x * s, weight)
+        if bias is not None:
+            offsets = self.rank1_bias_out if name == "out" else self.rank1_bias_in
+            index = {"q": 0, "k": 1, "v": 2, "out": 0}[name]
+            e = self.embed_dim
+            delta = offsets[rows][:, index * e : (index + 1) * e].to(x.dtype).unsqueeze(0)
+            bias = bias + delta
+        if additive:
+            y = y + r
+            return y if bias is None else y + bias
+        return y * r if bias is None else torch.addcmul(bias, y, r)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        is_batched = query.dim() == 3
+        key_padding_mask = _canonical(key_padding_mask, "key_padding_mask", attn_mask, query.dtype)
+        attn_mask = _canonical(attn_mask, "attn_mask", None, query.dtype, check=False)
+        if query.is_nested or key.is_nested or value.is_nested:
+            raise AssertionError(
+                "a rank-1 MultiheadAttention does not support NestedTensor input (torch supports it only on its "
+                "deterministic fast path); pass padded tensors with a key_padding_mask."
+            )
+        if self.batch_first and is_batched:
+            # keep the "is" relations (self-attention) through the transposes, as torch does
+            if key is value:
+                if query is key:
+                    query = key = value = query.transpose(1, 0)
+                else:
+                    query, key = (x.transpose(1, 0) for x in (query, key))
+                    value = key
+            else:
+                query, key, value = (x.transpose(1, 0) for x in (query, key, value))
+        out, weights = self._rank1_attention(
+            query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        )
+        if self.batch_first and is_batched:
+            return out.transpose(1, 0), weights
+        return out, weights
+
+    def _rank1_attention(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        need_weights: bool,
+        attn_mask: Tensor | None,
+        average_attn_weights: bool,
+        is_causal: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """``F.multi_head_attention_forward`` (sequence first) with rank-1 projections."""
+        heads = self.num_heads
+        is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask, heads)
+        if not is_batched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        tgt_len, bsz, embed_dim = query.shape
+        src_len = key.shape[0]
+        ctx = self._rank1_context
+        if ctx.active and ctx.tiles > 1:
+            # masks given per example for a tiled batch (the root tiles only tensors whose batch_dim holds
+            # the batch): the same mask for every member
+            if key_padding_mask is not None and key_padding_mask.shape[0] * ctx.tiles == bsz:
+                key_padding_mask = torch.cat([key_padding_mask] * ctx.tiles)
+            if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] * ctx.tiles == bsz * heads:
+                attn_mask = torch.cat([attn_mask] * ctx.tiles)
+        key_padding_mask = _canonical(key_padding_mask, "key_padding_mask", attn_mask, query.dtype)
+        if is_causal and attn_mask is None:
+            raise RuntimeError(
+                "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
+                "`generate_square_subsequent_mask` to create this mask."
+            )
+        if is_causal and key_padding_mask is None and not need_weights:
+            attn_mask = None  # scaled_dot_product_attention applies the causal mask itself
+        else:
+            attn_mask = _canonical(attn_mask, "attn_mask", None, query.dtype, check=False)
+            if key_padding_mask is not None:
+                is_causal = False
+        if embed_dim != self.embed_dim:
+            raise AssertionError(f"was expecting embedding dimension of {self.embed_dim}, but got {embed_dim}")
+        head_dim = embed_dim // heads
+        if key.shape[:2] != value.shape[:2]:
+            raise AssertionError(f"key's sequence and batch dims {key.shape[:2]} do not match value's {value.shape[:2]}")
+
+        # the rank-1 projections: one sample per example, shared by every position
+        params = self._parameters
+        rows, noise = self._rank1_rows(bsz, query.device)
+        fused = params.get("in_proj_weight")
+        if fused is not None:
+            w_q, w_k, w_v = fused.chunk(3)
+        else:
+            w_q, w_k, w_v = params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
+        in_bias = params.get("in_proj_bias")
+        b_q, b_k, b_v = in_bias.chunk(3) if in_bias is not None else (None, None, None)
+        q = self._rank1_project(query, "q", w_q, b_q, rows, noise)
+        k = self._rank1_project(key, "k", w_k, b_k, rows, noise)
+        v = self._rank1_project(value, "v", w_v, b_v, rows, noise)
+
+        if attn_mask is not None:
+            if attn_mask.dim() == 2:
+                if attn_mask.shape != (tgt_len, src_len):
+                    raise RuntimeError(
+                        f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(tgt_len, src_len)}."
+                    )
+                attn_mask = attn_mask.unsqueeze(0)
+            elif attn_mask.dim() == 3:
+                if attn_mask.shape != (bsz * heads, tgt_len, src_len):
+                    raise RuntimeError(
+                        f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
+                        f"{(bsz * heads, tgt_len, src_len)}."
+                    )
+            else:
+                raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
+        bias_k, bias_v = self._parameters.get("bias_k"), self._parameters.get("bias_v")
+        if bias_k is not None and bias_v is not None:
+            k = torch.cat([k, bias_k.repeat(1, bsz, 1)])
+            v = torch.cat([v, bias_v.repeat(1, bsz, 1)])
+            if attn_mask is not None:
+                attn_mask = F.pad(attn_mask, (0, 1))
+            if key_padding_mask is not None:
+                key_padding_mask = F.pad(key_padding_mask, (0, 1))
+        q = q.view(tgt_len, bsz * heads, head_dim).transpose(0, 1)
+        k = k.view(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
+        v = v.view(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
+        if self.add_zero_attn:
+            zeros = torch.zeros((bsz * heads, 1, head_dim), dtype=k.dtype, device=k.device)
+            k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros], dim=1)
+            if attn_mask is not None:
+                attn_mask = F.pad(attn_mask, (0, 1))
+            if key_padding_mask is not None:
+                key_padding_mask = F.pad(key_padding_mask, (0, 1))
+        src_len = k.size(1)
+        if key_padding_mask is not None:
+            if tuple(key_padding_mask.shape) != (bsz, src_len):
+                raise AssertionError(
+                    f"Expected key_padded_mask.shape to be {(bsz, src_len)}, but got {tuple(key_padding_mask.shape)}"
+                )
+            key_padding_mask = (
+                key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, heads, -1, -1).reshape(bsz * heads, 1, src_len)
+            )
+            attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
+        dropout_p = self.dropout if self.training else 0.0
+
+        weights: Tensor | None = None
+        if need_weights:
+            q_scaled = q * math.sqrt(1.0 / float(head_dim))
+            if attn_mask is not None:
+                scores = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
+            else:
+                scores = torch.bmm(q_scaled, k.transpose(-2, -1))
+            weights = F.softmax(scores, dim=-1)
+            if dropout_p > 0.0:
+                weights = F.dropout(weights, p=dropout_p)
+            attn = torch.bmm(weights, v).transpose(0, 1).reshape(tgt_len, bsz, embed_dim)
+            weights = weights.view(bsz, heads, tgt_len, src_len)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+        else:
+            if attn_mask is not None:
+                if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
+                    attn_mask = attn_mask.unsqueeze(0)
+                else:
+                    attn_mask = attn_mask.view(bsz, heads, -1, src_len)
+            q = q.view(bsz, heads, tgt_len, head_dim)
+            k = k.view(bsz, heads, src_len, head_dim)
+            v = v.view(bsz, heads, src_len, head_dim)
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+            attn = attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
+
+        out_proj = self.out_proj
+        out = self._rank1_project(attn, "out", out_proj._parameters["weight"], out_proj._parameters.get("bias"), rows, noise)
+        if not is_batched:
+            out = out.squeeze(1)
+            weights = weights.squeeze(0) if weights is not None else None
+        return out, weights
