@@ -36,6 +36,8 @@ class Rank1Config:
     clip: float | None = 10.0
     batch_dim: int = 0
     reduction: Reduction = Reduction.LOGITS
+    embeddings: bool = False
+    embedding_prior_std: float = 1.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -71,6 +73,9 @@ class Rank1Config:
             raise ValueError(f"init_jitter={self.init_jitter!r} must be >= 0 (reference: 0.1 on the raw std).")
         if self.clip is not None:
             _positive("clip", self.clip, "or None to disable sample clipping (reference: 10)")
+        if not isinstance(self.embeddings, bool):
+            raise TypeError(f"embeddings={self.embeddings!r} must be True or False (Gaussian variational embeddings).")
+        _positive("embedding_prior_std", self.embedding_prior_std, "it is the std of the Normal(0, std) prior on embeddings")
         if isinstance(self.batch_dim, bool) or not isinstance(self.batch_dim, int) or self.batch_dim < 0:
             raise ValueError(f"batch_dim={self.batch_dim!r} must be an integer >= 0 (where the batch lies in inputs).")
 

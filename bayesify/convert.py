@@ -14,6 +14,7 @@ from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction
 from bayesify.wrappers.attention import Rank1MultiheadAttention
 from bayesify.wrappers.base import Rank1Layer
 from bayesify.wrappers.conv import Rank1Conv, Rank1ConvTranspose
+from bayesify.wrappers.embedding import GaussianEmbedding
 from bayesify.wrappers.linear import Rank1Linear
 from bayesify.wrappers.recurrent import Rank1RNN, Rank1RNNCell
 
@@ -35,6 +36,13 @@ _DEFAULT_MAPPING: dict[type[nn.Module], type[Rank1Layer]] = {
     nn.GRUCell: Rank1RNNCell,
     nn.RNNCell: Rank1RNNCell,
     nn.MultiheadAttention: Rank1MultiheadAttention,
+}
+
+
+# with convert(..., embeddings=True)
+_EMBEDDING_MAPPING: dict[type[nn.Module], type[Rank1Layer]] = {
+    nn.Embedding: GaussianEmbedding,
+    nn.EmbeddingBag: GaussianEmbedding,
 }
 
 
@@ -76,6 +84,32 @@ def _is_weight_bearing(module: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters(recurse=False))
 
 
+# kept deterministic by design, as in the paper: never reported as skipped linear maps
+_DETERMINISTIC: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+
+
+def _skip_reason(module: nn.Module) -> str | None:
+    """Why a weight-bearing module without a wrapper stays deterministic, and how to change that."""
+    kind = type(module).__name__
+    if isinstance(module, _DETERMINISTIC):
+        return None
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return (
+            f"{kind} kept deterministic (embeddings are not rank-1 in the paper); convert(..., embeddings=True) "
+            "makes it a Gaussian variational embedding"
+        )
+    return (
+        f"{kind} has no rank-1 wrapper in the mapping; if it computes a linear map or a convolution, pass "
+        f"mapping={{**bayesify.default_mapping(), {kind}: <your Rank1Layer subclass>}}"
+    )
+
+
 def convert(
     model: nn.Module,
     *,
@@ -97,6 +131,8 @@ def convert(
     include: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
     mapping: Mapping[type[nn.Module], type[Rank1Layer]] | None = None,
+    embeddings: bool = False,
+    embedding_prior_std: float = 1.0,
 ) -> nn.Module:
     """Make ``model`` a rank-1 Bayesian neural net, in place, and return it.
 
@@ -129,6 +165,11 @@ def convert(
             below the module it names); default: all.
         exclude: fnmatch patterns of module names to leave deterministic.
         mapping: ``{layer type: wrapper}``; default :func:`default_mapping`.
+        embeddings: also make ``nn.Embedding`` / ``nn.EmbeddingBag`` Gaussian variational
+            embeddings (a Normal over each vector, mean = the original weight; the paper's
+            MIMIC-III model). Off by default: embeddings stay deterministic, as the paper's
+            rank-1 layers.
+        embedding_prior_std: std of the Normal(0, std) prior of those embeddings.
 
     Returns:
         ``model`` itself, converted.
@@ -166,8 +207,12 @@ def convert(
         clip=clip,
         batch_dim=batch_dim,
         reduction=reduction,
+        embeddings=embeddings,
+        embedding_prior_std=embedding_prior_std,
     )
     table = default_mapping() if mapping is None else dict(mapping)
+    if config.embeddings:
+        table = {**_EMBEDDING_MAPPING, **table}
     for source, wrapper in table.items():
         if not (isinstance(wrapper, type) and issubclass(wrapper, Rank1Layer)):
             raise TypeError(
@@ -186,8 +231,9 @@ def convert(
         already = isinstance(module, Rank1Layer)
         wrapper = None if already else _lookup(module, table)
         if wrapper is None and not already:
-            if _is_weight_bearing(module):
-                skipped[name] = f"{type(module).__name__} has no rank-1 wrapper in the mapping"
+            reason = _skip_reason(module) if _is_weight_bearing(module) else None
+            if reason is not None:
+                skipped[name] = reason
             continue
         hit_in = [p for p in includes or [] if _matches(name, p)]
         hit_ex = [p for p in excludes or [] if _matches(name, p)]

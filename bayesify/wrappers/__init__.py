@@ -3,11 +3,13 @@
 from bayesify.wrappers.attention import Rank1MultiheadAttention
 from bayesify.wrappers.base import Rank1Layer
 from bayesify.wrappers.conv import Rank1Conv, Rank1ConvTranspose
+from bayesify.wrappers.embedding import GaussianEmbedding
 from bayesify.wrappers.factor import Rank1Factor
 from bayesify.wrappers.linear import Rank1Linear
 from bayesify.wrappers.recurrent import Rank1RNN, Rank1RNNCell
 
 __all__ = [
+    "GaussianEmbedding",
     "Rank1Conv",
     "Rank1ConvTranspose",
     "Rank1Factor",

@@ -1,0 +1,107 @@
+"""Gaussian variational embeddings for ``nn.Embedding`` and ``nn.EmbeddingBag`` (opt-in).
+
+Not a rank-1 layer: as the paper's MIMIC-III model, every embedding vector gets a Normal
+posterior ``N(w_i, diag(sigma_i^2))`` whose mean is the original (shared) weight row and whose
+std ``sigma_i = softplus(rho_i) + 1e-7`` is learned (``rank1_rho``, one per entry), with a KL
+to a ``Normal(0, embedding_prior_std)`` prior. Enabled by ``convert(model, embeddings=True)``;
+by default embeddings stay deterministic.
+
+Sampling: one sample of the embedding table per forward pass, drawn only for the rows the
+batch looks up (edward2's ``EmbeddingReparameterization`` samples the whole table once per
+call: the same distribution of outputs). Every occurrence of a token in the batch sees the same
+vector. The mixture components are not involved (a single Gaussian, shared by all members).
+``mode(model, noise=False)`` uses the means, i.e. the original embedding.
+
+``padding_idx`` rows stay deterministic (no noise, no KL, no gradient, as torch's);
+``max_norm``, ``scale_grad_by_freq``, ``sparse`` (sparse gradients for weight and rho),
+``mode`` / ``per_sample_weights`` / ``offsets`` / ``include_last_offset`` of EmbeddingBag are
+torch's own (the KL term covers every row, so its gradient is dense even with ``sparse=True``).
+
+References:
+    Dusenberry et al., ICML 2020, Sec. 5.4 (MIMIC-III: "Gaussian variational embeddings");
+    edward2 ``EmbeddingReparameterization``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bayesify.config import Rank1Config
+from bayesify.priors import distributions, kl
+from bayesify.wrappers.base import Rank1Layer
+
+__all__ = ["GaussianEmbedding"]
+
+_MIN_SCALE = 1e-7
+
+
+class GaussianEmbedding(Rank1Layer):
+    """``nn.Embedding`` / ``nn.EmbeddingBag`` with a Normal over each embedding vector.
+
+    Example:
+        >>> model = bayesify.convert(model, embeddings=True, embedding_prior_std=1.0)
+        >>> model.embed.rank1_std           # per-entry posterior std, [num_embeddings, dim]
+
+    References:
+        Dusenberry et al., ICML 2020, Sec. 5.4; edward2 ``EmbeddingReparameterization``.
+    """
+
+    source_types = (nn.Embedding, nn.EmbeddingBag)
+
+    def _rank1_setup(self, config: Rank1Config) -> None:
+        weight = self._parameters["weight"]
+        raw = float(distributions.softplus_inverse(config.initial_std - _MIN_SCALE))
+        self.rank1_rho = nn.Parameter(torch.full_like(weight, raw))
+
+    @property
+    def rank1_std(self) -> Tensor:
+        """Posterior std of every entry of the table, ``[num_embeddings, embedding_dim]``."""
+        return F.softplus(self.rank1_rho) + _MIN_SCALE
+
+    def _rank1_noisy_rows(self) -> Tensor | None:
+        padding = self.padding_idx
+        if padding is None:
+            return None
+        keep = torch.ones(self.num_embeddings, dtype=torch.bool, device=self.rank1_rho.device)
+        keep[padding] = False
+        return keep
+
+    def kl_divergence(self) -> Tensor:
+        """KL(N(w, sigma^2) || N(0, prior_std^2)), summed over every entry (padding row excluded)."""
+        cfg = self.rank1_config
+        terms = kl.kl_normal_normal(self._parameters["weight"], self.rank1_std, 0.0, cfg.embedding_prior_std)
+        keep = self._rank1_noisy_rows()
+        return terms.sum() if keep is None else terms[keep].sum()
+
+    def forward(self, input: Tensor, *args: object, **kwargs: object) -> Tensor:
+        base = type(self).__rank1_base__
+        ctx = self._rank1_context
+        noise = ctx.noise if ctx.live() else True
+        if not noise:
+            return base.forward(self, input, *args, **kwargs)
+        weight = self._parameters["weight"]
+        # one sample of the rows this batch uses: gather them (torch's own renorm / padding / sparse
+        # gradient rules), add noise, and look the batch up in that small sampled table
+        unique, inverse = torch.unique(input, return_inverse=True)
+        means = F.embedding(unique, weight, self.padding_idx, self.max_norm, self.norm_type, False, self.sparse)
+        std = F.softplus(F.embedding(unique, self.rank1_rho, sparse=self.sparse)) + _MIN_SCALE
+        padding = None
+        if self.padding_idx is not None:
+            is_pad = unique == self.padding_idx
+            std = std * (~is_pad).unsqueeze(1).to(std.dtype)
+            hit = torch.nonzero(is_pad)
+            padding = int(hit[0, 0]) if hit.numel() else None
+        table = means + std * torch.randn_like(means)
+        if isinstance(self, nn.EmbeddingBag):
+            offsets = args[0] if args else kwargs.get("offsets")
+            per_sample_weights = args[1] if len(args) > 1 else kwargs.get("per_sample_weights")
+            return F.embedding_bag(
+                inverse, table, offsets, None, self.norm_type, self.scale_grad_by_freq, self.mode, False,
+                per_sample_weights, self.include_last_offset, padding,
+            )  # fmt: skip
+        return F.embedding(inverse, table, padding, None, self.norm_type, self.scale_grad_by_freq, False)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, gaussian (prior std {self.rank1_config.embedding_prior_std})"

@@ -1,0 +1,114 @@
+"""Gaussian variational embeddings (convert(..., embeddings=True)): off by default, torch's semantics at the mean."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import bayesify
+
+DT = torch.float64
+
+
+class Bag(nn.Module):
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(12, 4, **kwargs)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor | None = None, weights: torch.Tensor | None = None):
+        return self.bag(x, offsets, per_sample_weights=weights)
+
+
+def test_off_by_default_and_reported() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2))
+    bayesify.convert(model)
+    assert type(model[0]) is nn.Embedding
+    reason = bayesify.summary(model).skipped["0"]
+    assert "embeddings=True" in reason
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"padding_idx": 0}, {"max_norm": 1.0}, {"scale_grad_by_freq": True}, {"sparse": True}]
+)
+def test_embedding_mean_is_torchs(kwargs: dict) -> None:
+    reference = nn.Embedding(12, 4, **kwargs).to(DT)
+    layer = bayesify.convert(copy.deepcopy(reference), embeddings=True)
+    x = torch.randint(0, 12, (3, 5))
+    with bayesify.mode(layer, noise=False):
+        torch.testing.assert_close(layer(x), reference(x))
+    layer.train()
+    out = layer(x)
+    assert out.shape == (3, 5, 4)
+    out.square().sum().backward()
+    assert layer.weight.grad is not None and layer.rank1_rho.grad is not None
+    if kwargs.get("sparse"):  # the lookup's gradients stay sparse (the KL term's are dense: every row)
+        assert layer.weight.grad.is_sparse and layer.rank1_rho.grad.is_sparse
+        return
+    bayesify.kl_divergence(layer).backward()
+    if "padding_idx" in kwargs:
+        torch.testing.assert_close(out[x == 0], reference.weight[0].expand_as(out[x == 0]))  # no noise on padding
+        assert layer.weight.grad[0].abs().sum() == 0 and layer.rank1_rho.grad[0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("layout", ["2d", "offsets", "offsets-weights", "padding"])
+def test_embedding_bag_mean_is_torchs(mode: str, layout: str) -> None:
+    if layout == "offsets-weights" and mode != "sum":
+        pytest.skip("per_sample_weights needs mode='sum' (torch)")
+    kwargs = {"mode": mode, **({"padding_idx": 1} if layout == "padding" else {})}
+    reference = Bag(**kwargs).to(DT)
+    model = bayesify.convert(copy.deepcopy(reference), embeddings=True)
+    if layout in ("2d", "padding"):
+        args: tuple = (torch.randint(0, 12, (3, 4)),)
+    else:
+        args = (torch.randint(0, 12, (7,)), torch.tensor([0, 3, 5]))
+        if layout == "offsets-weights":
+            args = (*args, torch.rand(7, dtype=DT))
+    expected = reference(*args)
+    with bayesify.mode(model, noise=False):
+        torch.testing.assert_close(model(*args), expected)
+    model.train()
+    assert model(*args).shape == expected.shape
+
+
+def test_one_table_sample_per_forward_with_the_posterior_std() -> None:
+    layer = bayesify.convert(nn.Embedding(3, 2).to(DT), embeddings=True, init_std=0.5)
+    x = torch.tensor([[0, 1, 0, 2, 0]])
+    out = layer(x)
+    torch.testing.assert_close(out[0, 0], out[0, 2])  # the same token, the same sample
+    torch.testing.assert_close(out[0, 0], out[0, 4])
+    draws = torch.stack([layer(torch.tensor([1]))[0] for _ in range(4000)])
+    torch.testing.assert_close(draws.mean(0), layer.weight[1].detach(), atol=0.05, rtol=0)
+    torch.testing.assert_close(draws.std(0), layer.rank1_std[1].detach(), atol=0.03, rtol=0)
+
+
+def test_kl_is_the_normal_closed_form() -> None:
+    layer = bayesify.convert(nn.Embedding(6, 3, padding_idx=2).to(DT), embeddings=True, embedding_prior_std=0.7)
+    with torch.no_grad():
+        layer.rank1_rho.normal_()
+    mu, sigma, prior = layer.weight, layer.rank1_std, 0.7
+    terms = torch.log(prior / sigma) + (sigma**2 + mu**2) / (2 * prior**2) - 0.5
+    keep = torch.arange(6) != 2  # the padding row is deterministic: no KL
+    torch.testing.assert_close(layer.kl_divergence(), terms[keep].sum())
+
+
+def test_eval_mixture_and_revert() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 3))
+    before = set(model.state_dict())
+    bayesify.convert(model, embeddings=True, components=2)
+    x = torch.randint(0, 10, (5, 3))
+    assert model.eval()(x).shape == (5, 3)
+    assert "0.rank1_rho" in model.state_dict()
+    bayesify.revert(model)
+    assert set(model.state_dict()) == before and type(model[0]) is nn.Embedding
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_bad_prior_std(bad: float) -> None:
+    with pytest.raises(ValueError, match="embedding_prior_std"):
+        bayesify.convert(nn.Embedding(4, 2), embeddings=True, embedding_prior_std=bad)
+    with pytest.raises(TypeError, match="embeddings"):
+        bayesify.convert(nn.Linear(4, 2), embeddings="yes")  # type: ignore[arg-type]
