@@ -13,6 +13,8 @@ from bayesify.modules import rank1_layers
 from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction
 from bayesify.wrappers.attention import Rank1MultiheadAttention
 from bayesify.wrappers.base import Rank1Layer
+from bayesify.wrappers.bilinear import Rank1Bilinear
+from bayesify.wrappers.condconv import condconv_mapping
 from bayesify.wrappers.conv import Rank1Conv, Rank1ConvTranspose
 from bayesify.wrappers.embedding import GaussianEmbedding
 from bayesify.wrappers.linear import Rank1Linear
@@ -36,6 +38,7 @@ _DEFAULT_MAPPING: dict[type[nn.Module], type[Rank1Layer]] = {
     nn.GRUCell: Rank1RNNCell,
     nn.RNNCell: Rank1RNNCell,
     nn.MultiheadAttention: Rank1MultiheadAttention,
+    nn.Bilinear: Rank1Bilinear,
 }
 
 
@@ -51,9 +54,10 @@ def default_mapping() -> dict[type[nn.Module], type[Rank1Layer]]:
 
     Extend it to convert your own layers: ``convert(model, mapping={**default_mapping(),
     MyLayer: MyRank1Layer})``, where ``MyRank1Layer`` subclasses
-    :class:`~bayesify.wrappers.Rank1Layer`.
+    :class:`~bayesify.wrappers.Rank1Layer`. Layers of optional libraries (timm's ``CondConv2d``)
+    are in it once that library is imported.
     """
-    return dict(_DEFAULT_MAPPING)
+    return {**_DEFAULT_MAPPING, **condconv_mapping()}
 
 
 def _lookup(module: nn.Module, mapping: Mapping[type, type[Rank1Layer]]) -> type[Rank1Layer] | None:
