@@ -1,0 +1,114 @@
+"""ImageNet-C corruptions applied on the fly, with the maintained ``corrupt-tta`` package.
+
+The paper's robustness numbers (cNLL / cA / cECE) average the metrics over the 15 benchmark
+corruptions x 5 severities of Hendrycks & Dietterich (2019). Instead of pre-computed
+CIFAR-10-C / ImageNet-C files, bayesify corrupts any image test set as it is evaluated, with
+``corrupt_tta.corrupt`` (the ImageNet-C code, fixed for numpy 2 / scikit-image). Corruptions
+draw from numpy's global generator; :func:`corrupt_images` seeds it for each call and restores
+it afterwards, so a corrupted test set is the same on every run.
+
+Small images: the ImageNet-C parameters are tuned for 224-pixel images, and some (blur kernels,
+frost crops, pixelation) degenerate on 8x8 inputs. Images with a side below ``min_size``
+(default 32, the CIFAR size) are upsampled bilinearly by an integer factor to at least
+``min_size``, corrupted there, and reduced back to their size by area averaging. Gray images
+are corrupted as RGB (the gray channel repeated) and turned back to gray by the channel mean.
+
+References:
+    Hendrycks & Dietterich, "Benchmarking Neural Network Robustness to Common Corruptions and
+    Perturbations", ICLR 2019.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["CORRUPTIONS", "SEVERITIES", "corrupt_images", "corruption_seed", "parse_corruptions"]
+
+CORRUPTIONS: tuple[str, ...] = (
+    "gaussian_noise", "shot_noise", "impulse_noise",
+    "defocus_blur", "glass_blur", "motion_blur", "zoom_blur",
+    "snow", "frost", "fog", "brightness",
+    "contrast", "elastic_transform", "pixelate", "jpeg_compression",
+)  # fmt: skip
+"""The 15 ImageNet-C benchmark corruptions (noise, blur, weather, digital)."""
+
+SEVERITIES: tuple[int, ...] = (1, 2, 3, 4, 5)
+
+
+def parse_corruptions(names: str | Iterable[str] | None) -> tuple[str, ...]:
+    """``None`` or ``"all"``: the 15; otherwise a comma-separated string or a list, validated."""
+    if names is None or names == "all":
+        return CORRUPTIONS
+    items = [n.strip() for n in names.split(",")] if isinstance(names, str) else [str(n) for n in names]
+    items = [n for n in items if n]
+    unknown = [n for n in items if n not in CORRUPTIONS]
+    if unknown or not items:
+        raise ValueError(f"corruptions={unknown or names!r} unknown; choose from: {', '.join(CORRUPTIONS)} (or 'all').")
+    return tuple(items)
+
+
+def corrupt_images(
+    images: Tensor,
+    corruption: str,
+    severity: int,
+    *,
+    seed: int = 0,
+    min_size: int = 32,
+) -> Tensor:
+    """Corrupt a batch of images ``[N, C, H, W]`` in ``[0, 1]`` (C = 1 or 3); same shape back.
+
+    Args:
+        images: the clean images, values in [0, 1] (before mean/std normalisation).
+        corruption: one of :data:`CORRUPTIONS`.
+        severity: 1 to 5.
+        seed: seeds numpy's generator for this call (restored afterwards).
+        min_size: images with a smaller side are corrupted at an upsampled size (see module doc).
+
+    Raises:
+        ValueError: an unknown corruption, a severity outside 1-5, or not 1/3-channel images.
+    """
+    from corrupt_tta import corrupt
+
+    parse_corruptions([corruption])
+    if isinstance(severity, bool) or severity not in SEVERITIES:
+        raise ValueError(f"severity={severity!r} must be an integer from 1 to 5.")
+    if images.dim() != 4 or images.shape[1] not in (1, 3):
+        raise ValueError(
+            f"corruptions need [N, C, H, W] images with 1 or 3 channels, got shape {tuple(images.shape)}; "
+            "they apply to image data sets only."
+        )
+    n, channels, h, w = images.shape
+    x = images.detach().float().cpu().clamp(0, 1)
+    factor = max(1, math.ceil(min_size / min(h, w)))
+    if factor > 1:
+        x = F.interpolate(x, scale_factor=factor, mode="bilinear", align_corners=False).clamp(0, 1)
+    rgb = x.expand(n, 3, *x.shape[2:]) if channels == 1 else x
+    pixels = (rgb.permute(0, 2, 3, 1).numpy() * 255.0).round().astype(np.uint8)  # [N, H, W, 3]
+
+    state = np.random.get_state()
+    np.random.seed(seed % 2**32)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = np.stack([np.asarray(corrupt(img, severity, corruption), dtype=np.float32) for img in pixels])
+    finally:
+        np.random.set_state(state)
+
+    result = torch.from_numpy(np.clip(out, 0, 255) / 255.0).float().permute(0, 3, 1, 2)
+    if channels == 1:
+        result = result.mean(1, keepdim=True)
+    if factor > 1:
+        result = F.interpolate(result, size=(h, w), mode="area")
+    return result.to(images.dtype)
+
+
+def corruption_seed(base: int, corruption: str, severity: int, batch: int) -> int:
+    """A fixed seed per (corruption, severity, batch index), independent of evaluation order."""
+    return (base * 1_000_003 + CORRUPTIONS.index(corruption) * 1009 + severity * 101 + batch) % 2**32

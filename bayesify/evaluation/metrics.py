@@ -1,0 +1,207 @@
+"""The paper's evaluation metrics, on the members' log-probabilities.
+
+Everything takes ``member_log_probs`` of shape ``[S, N, C]``: S = K components x M samples
+(component-major: member ``k * M + m``, as :func:`bayesify.predict` returns them), N examples,
+C classes, and integer ``labels`` of shape ``[N]``. A deterministic model is the case S = 1.
+
+* NLL of the mixture predictive, in logsumexp form:
+  ``mean_n[ -logsumexp_s log p_s(y_n) + log S ]``.
+* accuracy, ECE (15 equal-width bins of top-1 confidence; torchmetrics' ``calibration_error``,
+  checked against :func:`ece_reference` in the tests) and Brier score on the mean probabilities.
+* per component: NLL and accuracy of ``mean_m p_{k,m}`` (the reference's per-member metrics).
+* diversity: mean pairwise disagreement of the components' argmax, and that divided by the
+  mixture's error rate ``1 - accuracy`` (the reference's ``average_pairwise_diversity(probs, K,
+  error=1 - accuracy)``); plus the mean pairwise KL between components.
+* binary tasks: AUC-PR (average precision) and AUC-ROC of the positive class (torchmetrics).
+
+References:
+    Dusenberry et al., ICML 2020, Sec. 5 and the reference ``baselines/cifar/rank1_bnn.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "accuracy",
+    "binary_auc",
+    "brier_score",
+    "compute_metrics",
+    "diversity",
+    "ece_reference",
+    "expected_calibration_error",
+    "member_log_probs_from_logits",
+    "member_metrics",
+    "mixture_log_probs",
+    "negative_log_likelihood",
+]
+
+
+def member_log_probs_from_logits(logits: Tensor) -> Tensor:
+    """Log-probabilities ``[S, N, C]`` from member logits ``[S, N, C]``.
+
+    A one-logit binary classifier (``C == 1``, sigmoid) becomes two classes
+    ``[log(1 - p), log p]``, so every metric below treats it like any other classifier.
+    """
+    logits = logits.float()
+    if logits.shape[-1] == 1:
+        return torch.cat([F.logsigmoid(-logits), F.logsigmoid(logits)], dim=-1)
+    return logits.log_softmax(-1)
+
+
+def _check(member_log_probs: Tensor, labels: Tensor) -> None:
+    if member_log_probs.dim() != 3:
+        raise ValueError(
+            f"member_log_probs must have shape [members, examples, classes], got {tuple(member_log_probs.shape)}; "
+            "add a leading axis of 1 for a single model."
+        )
+    if labels.shape != member_log_probs.shape[1:2]:
+        raise ValueError(
+            f"labels of shape {tuple(labels.shape)} do not match {member_log_probs.shape[1]} examples "
+            f"of member_log_probs {tuple(member_log_probs.shape)}."
+        )
+
+
+def mixture_log_probs(member_log_probs: Tensor) -> Tensor:
+    """``log mean_s p_s``: the uniform mixture's log-probabilities ``[N, C]``."""
+    return torch.logsumexp(member_log_probs, 0) - math.log(member_log_probs.shape[0])
+
+
+def negative_log_likelihood(member_log_probs: Tensor, labels: Tensor) -> Tensor:
+    """``mean_n[-logsumexp_s log p_s(y_n) + log S]``, the mixture predictive's NLL."""
+    _check(member_log_probs, labels)
+    s = member_log_probs.shape[0]
+    index = labels.view(1, -1, 1).expand(s, -1, 1)
+    log_lik = member_log_probs.gather(-1, index).squeeze(-1)  # [S, N]
+    return (-torch.logsumexp(log_lik, 0) + math.log(s)).mean()
+
+
+def accuracy(probs: Tensor, labels: Tensor) -> Tensor:
+    """Top-1 accuracy of probabilities ``[N, C]``."""
+    return (probs.argmax(-1) == labels).float().mean()
+
+
+def ece_reference(probs: Tensor, labels: Tensor, bins: int = 15) -> Tensor:
+    """Expected calibration error by its definition, for checking the library implementation.
+
+    ``sum_b |B_b| / N * |acc(B_b) - conf(B_b)|`` over ``bins`` equal-width bins of top-1
+    confidence, bin ``b`` holding confidences in ``(b / bins, (b + 1) / bins]``.
+    """
+    conf, pred = probs.max(-1)
+    correct = (pred == labels).float()
+    edges = torch.linspace(0, 1, bins + 1, dtype=conf.dtype)
+    total = conf.new_zeros(())
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = (conf > lo) & (conf <= hi)
+        if inside.any():
+            total = total + inside.float().mean() * (conf[inside].mean() - correct[inside].mean()).abs()
+    return total
+
+
+def expected_calibration_error(probs: Tensor, labels: Tensor, bins: int = 15) -> Tensor:
+    """ECE with ``bins`` equal-width bins of top-1 confidence (torchmetrics ``calibration_error``, L1)."""
+    from torchmetrics.functional.classification import multiclass_calibration_error
+
+    probs = probs.float()
+    return multiclass_calibration_error(probs, labels, num_classes=probs.shape[-1], n_bins=bins, norm="l1")
+
+
+def brier_score(probs: Tensor, labels: Tensor) -> Tensor:
+    """``mean_n sum_c (p_nc - 1[y_n = c])^2`` (0 is perfect, 2 is the worst)."""
+    one_hot = F.one_hot(labels, probs.shape[-1]).to(probs.dtype)
+    return ((probs - one_hot) ** 2).sum(-1).mean()
+
+
+def member_metrics(member_log_probs: Tensor, labels: Tensor, components: int) -> list[dict[str, float]]:
+    """NLL and accuracy of each component's predictive ``mean_m p_{k,m}`` (members component-major)."""
+    _check(member_log_probs, labels)
+    s = member_log_probs.shape[0]
+    if s % components:
+        raise ValueError(f"{s} members cannot be split into {components} components of equal sample counts.")
+    per_component = member_log_probs.reshape(components, s // components, *member_log_probs.shape[1:])
+    results = []
+    for k in range(components):
+        log_probs = per_component[k]
+        results.append(
+            {
+                "nll": float(negative_log_likelihood(log_probs, labels)),
+                "accuracy": float(accuracy(mixture_log_probs(log_probs).exp(), labels)),
+            }
+        )
+    return results
+
+
+def diversity(member_log_probs: Tensor, labels: Tensor, components: int) -> dict[str, float]:
+    """Pairwise diversity of the K components (each averaged over its M samples).
+
+    Returns:
+        ``disagreement``: mean over pairs of the fraction of examples whose argmax differs;
+        ``normalized_disagreement``: that divided by the mixture's error rate ``1 - accuracy``;
+        ``kl``: mean over pairs of ``mean_n KL(p_i || p_j)``.
+    """
+    _check(member_log_probs, labels)
+    s = member_log_probs.shape[0]
+    per_component = member_log_probs.reshape(components, s // components, *member_log_probs.shape[1:])
+    log_probs = torch.stack([mixture_log_probs(per_component[k]) for k in range(components)])  # [K, N, C]
+    if components < 2:
+        return {"disagreement": 0.0, "normalized_disagreement": 0.0, "kl": 0.0}
+    preds = log_probs.argmax(-1)
+    pairs = list(itertools.combinations(range(components), 2))
+    disagreement = torch.stack([(preds[i] != preds[j]).float().mean() for i, j in pairs]).mean()
+    kl = torch.stack([(log_probs[i].exp() * (log_probs[i] - log_probs[j])).sum(-1).mean() for i, j in pairs]).mean()
+    error = 1.0 - float(accuracy(mixture_log_probs(member_log_probs).exp(), labels))
+    return {
+        "disagreement": float(disagreement),
+        "normalized_disagreement": float(disagreement) / (error + 1e-7),
+        "kl": float(kl),
+    }
+
+
+def binary_auc(probs: Tensor, labels: Tensor) -> dict[str, float]:
+    """AUC-PR (average precision) and AUC-ROC of the positive class (column 1) via torchmetrics."""
+    from torchmetrics.functional.classification import binary_auroc, binary_average_precision
+
+    positive = probs[:, 1].float()
+    return {
+        "auc_pr": float(binary_average_precision(positive, labels)),
+        "auc_roc": float(binary_auroc(positive, labels)),
+    }
+
+
+def compute_metrics(
+    member_log_probs: Tensor, labels: Tensor, *, components: int = 1, bins: int = 15, members: bool = True
+) -> dict[str, object]:
+    """All metrics of one evaluation, as plain Python numbers.
+
+    Args:
+        member_log_probs: ``[K * M, N, C]`` member log-probabilities, component-major.
+        labels: ``[N]`` integer labels.
+        components: K (1 for a deterministic model); M is ``S / K``.
+        bins: ECE bins (paper: 15).
+        members: include per-component metrics and diversity.
+
+    Returns:
+        ``nll, accuracy, ece, brier`` (+ ``auc_pr, auc_roc`` for two classes), and with
+        ``members`` and K > 1: ``members`` (a list of per-component dicts) and ``diversity``.
+    """
+    _check(member_log_probs, labels)
+    member_log_probs = member_log_probs.float()
+    labels = labels.long()
+    probs = mixture_log_probs(member_log_probs).exp()
+    out: dict[str, object] = {
+        "nll": float(negative_log_likelihood(member_log_probs, labels)),
+        "accuracy": float(accuracy(probs, labels)),
+        "ece": float(expected_calibration_error(probs, labels, bins)),
+        "brier": float(brier_score(probs, labels)),
+    }
+    if probs.shape[-1] == 2:
+        out.update(binary_auc(probs, labels))
+    if members and components > 1:
+        out["members"] = member_metrics(member_log_probs, labels, components)
+        out["diversity"] = diversity(member_log_probs, labels, components)
+    return out

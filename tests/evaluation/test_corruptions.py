@@ -1,0 +1,51 @@
+"""ImageNet-C corruptions on the fly (corrupt-tta), small images included."""
+
+import numpy as np
+import pytest
+import torch
+
+from bayesify.evaluation.corruptions import CORRUPTIONS, corrupt_images, parse_corruptions
+
+
+def test_the_fifteen_benchmark_corruptions():
+    assert len(CORRUPTIONS) == 15 and len(set(CORRUPTIONS)) == 15
+    assert "speckle_noise" not in CORRUPTIONS and "saturate" not in CORRUPTIONS  # the 4 extra ones stay out
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_every_corruption_on_gray_8x8_and_rgb_images(corruption):
+    gray = torch.rand(3, 1, 8, 8)
+    out = corrupt_images(gray, corruption, 3)
+    assert out.shape == gray.shape and out.dtype == gray.dtype
+    assert 0.0 <= float(out.min()) and float(out.max()) <= 1.0
+    rgb = corrupt_images(torch.rand(2, 3, 12, 16), corruption, 5, min_size=8)
+    assert rgb.shape == (2, 3, 12, 16)
+
+
+def test_corruptions_change_images_more_with_severity_and_repeat_with_the_seed():
+    x = torch.rand(16, 1, 8, 8)
+    light, heavy = corrupt_images(x, "gaussian_noise", 1), corrupt_images(x, "gaussian_noise", 5)
+    assert (light - x).abs().mean() < (heavy - x).abs().mean()
+    assert torch.equal(corrupt_images(x, "gaussian_noise", 3, seed=4), corrupt_images(x, "gaussian_noise", 3, seed=4))
+    assert not torch.equal(
+        corrupt_images(x, "gaussian_noise", 3, seed=4), corrupt_images(x, "gaussian_noise", 3, seed=5)
+    )
+
+
+def test_numpy_global_state_is_left_as_it_was():
+    np.random.seed(123)
+    expected = np.random.rand()
+    np.random.seed(123)
+    corrupt_images(torch.rand(2, 1, 8, 8), "shot_noise", 2)
+    assert np.random.rand() == expected
+
+
+def test_bad_names_severities_and_shapes_name_the_fix():
+    with pytest.raises(ValueError, match="choose from: gaussian_noise"):
+        corrupt_images(torch.rand(1, 1, 8, 8), "rain", 1)
+    with pytest.raises(ValueError, match="severity=6"):
+        corrupt_images(torch.rand(1, 1, 8, 8), "fog", 6)
+    with pytest.raises(ValueError, match="1 or 3 channels"):
+        corrupt_images(torch.rand(1, 2, 8, 8), "fog", 1)
+    assert parse_corruptions("fog, frost") == ("fog", "frost")
+    assert parse_corruptions(None) == CORRUPTIONS == parse_corruptions("all")

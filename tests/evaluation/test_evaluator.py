@@ -1,0 +1,66 @@
+"""Evaluating converted and plain models, clean and corrupted, and the report files."""
+
+import pytest
+import torch
+from torch import nn
+
+import bayesify
+from bayesify.data import InMemoryDataset
+from bayesify.evaluation import (
+    evaluate,
+    evaluate_corruptions,
+    markdown_report,
+    predict_members,
+    reliability_diagram,
+    severity_plot,
+)
+
+
+def _net(convert: bool = True) -> nn.Module:
+    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 3))
+    return bayesify.convert(net, components=2) if convert else net
+
+
+@pytest.fixture
+def images() -> InMemoryDataset:
+    return InMemoryDataset(torch.rand(20, 1, 8, 8), torch.randint(3, (20,)))
+
+
+def test_members_are_k_times_m_component_major(images):
+    net = _net()
+    log_probs, labels = predict_members(net, torch.utils.data.DataLoader(images, batch_size=8), samples=3)
+    assert log_probs.shape == (6, 20, 3) and torch.equal(labels, images.labels)
+    assert torch.allclose(log_probs.exp().sum(-1), torch.ones(6, 20))
+
+
+def test_evaluate_converted_and_plain_models(images):
+    converted = evaluate(_net(), images, samples=2, batch_size=7)
+    assert converted["components"] == 2 and converted["samples"] == 2 and len(converted["members"]) == 2
+    plain = evaluate(_net(convert=False), images)
+    assert plain["components"] == 1 and "members" not in plain
+    # evaluation does not disturb the caller's random stream
+    net = _net()
+    torch.manual_seed(5)
+    evaluate(net, images)
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(1), after)
+
+
+def test_corruption_means_are_averages_over_types_and_severities(images):
+    result = evaluate_corruptions(_net(), images, corruptions="contrast,brightness", severities=(1, 5), progress=False)
+    rows = [result["results"][c][s] for c in ("contrast", "brightness") for s in (1, 5)]
+    assert result["mean"]["nll"] == pytest.approx(sum(r["nll"] for r in rows) / 4)
+    assert result["by_severity"][5]["accuracy"] == pytest.approx(
+        (result["results"]["contrast"][5]["accuracy"] + result["results"]["brightness"][5]["accuracy"]) / 2
+    )
+
+
+def test_report_files(tmp_path, images):
+    clean = evaluate(_net(), images)
+    probs = torch.rand(20, 3).softmax(-1)
+    assert reliability_diagram(probs, images.labels, tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+    by_severity = {s: {"nll": 1.0 * s, "accuracy": 0.9 - 0.1 * s, "ece": 0.01 * s} for s in (1, 2, 3)}
+    assert severity_plot(by_severity, tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    text = markdown_report(clean, {"mean": by_severity[2], "by_severity": by_severity, "results": {"fog": by_severity}})
+    assert "| NLL | accuracy | ECE | Brier | cNLL | cA | cECE |" in text and "| fog |" in text

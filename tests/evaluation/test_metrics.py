@@ -1,0 +1,108 @@
+"""Metrics on fixed inputs against hand-computed values, and torchmetrics against the formulas."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import average_precision_score, roc_auc_score
+
+from bayesify.evaluation.metrics import (
+    binary_auc,
+    compute_metrics,
+    diversity,
+    ece_reference,
+    expected_calibration_error,
+    member_log_probs_from_logits,
+    member_metrics,
+    mixture_log_probs,
+    negative_log_likelihood,
+)
+
+# 2 components x 1 sample, 3 examples, 2 classes: probabilities written out so every number can be checked by hand
+P = torch.tensor(
+    [
+        [[0.9, 0.1], [0.6, 0.4], [0.2, 0.8]],  # member 0
+        [[0.7, 0.3], [0.2, 0.8], [0.4, 0.6]],  # member 1
+    ],
+    dtype=torch.float64,
+)
+Y = torch.tensor([0, 1, 1])
+
+
+def test_nll_is_the_log_of_the_mean_member_probability():
+    # mean p(y): 0.8, 0.6, 0.7 -> NLL = -(ln 0.8 + ln 0.6 + ln 0.7) / 3
+    expected = -(math.log(0.8) + math.log(0.6) + math.log(0.7)) / 3
+    assert float(negative_log_likelihood(P.log(), Y)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_logsumexp_form_equals_the_definition_on_random_members():
+    torch.manual_seed(0)
+    lp = torch.randn(6, 40, 5, dtype=torch.float64).log_softmax(-1)
+    y = torch.randint(5, (40,))
+    by_definition = -lp.exp().mean(0).gather(1, y[:, None]).log().mean()
+    assert torch.allclose(negative_log_likelihood(lp, y), by_definition)
+    assert torch.allclose(mixture_log_probs(lp).exp(), lp.exp().mean(0))
+
+
+def test_accuracy_ece_and_brier_by_hand():
+    m = compute_metrics(P.log(), Y, components=2)
+    # mean probabilities [.8 .2], [.4 .6], [.3 .7]: all three argmax right
+    assert m["accuracy"] == 1.0
+    # confidences .8, .6, .7 fall in 3 different bins, all correct: ECE = mean(1 - conf) = 0.3
+    assert m["ece"] == pytest.approx(0.3, abs=1e-6)
+    # Brier: sum_c (p - onehot)^2 = 2 (1 - p_y)^2 -> 2 * (.04 + .16 + .09) / 3
+    assert m["brier"] == pytest.approx(2 * (0.04 + 0.16 + 0.09) / 3)
+    assert m["auc_pr"] == pytest.approx(1.0) and m["auc_roc"] == pytest.approx(1.0)
+
+
+def test_per_member_metrics_and_diversity_by_hand():
+    members = member_metrics(P.log(), Y, components=2)
+    assert members[0]["nll"] == pytest.approx(-(math.log(0.9) + math.log(0.4) + math.log(0.8)) / 3)
+    assert members[0]["accuracy"] == pytest.approx(2 / 3)  # member 0 gets example 1 wrong
+    assert members[1]["accuracy"] == pytest.approx(1.0)
+    d = diversity(P.log(), Y, components=2)
+    assert d["disagreement"] == pytest.approx(1 / 3)  # they disagree on example 1 only
+    # mixture accuracy is 1, so the error is 0: the normalised value is disagreement / (0 + eps)
+    assert d["normalized_disagreement"] == pytest.approx((1 / 3) / 1e-7)
+    kl = sum(float((P[0, n] * (P[0, n] / P[1, n]).log()).sum()) for n in range(3)) / 3
+    assert d["kl"] == pytest.approx(kl)
+
+
+def test_samples_are_averaged_within_each_component():
+    # K=2 components x M=2 samples, component-major
+    lp = torch.randn(4, 10, 3, dtype=torch.float64).log_softmax(-1)
+    y = torch.randint(3, (10,))
+    members = member_metrics(lp, y, components=2)
+    comp0 = lp[:2].exp().mean(0)
+    assert members[0]["nll"] == pytest.approx(float(-comp0.gather(1, y[:, None]).log().mean()))
+
+
+def test_torchmetrics_ece_matches_the_15_bin_formula():
+    torch.manual_seed(1)
+    for _ in range(5):
+        probs = (torch.randn(300, 10) * 3).softmax(-1)
+        y = torch.randint(10, (300,))
+        assert float(expected_calibration_error(probs, y)) == pytest.approx(float(ece_reference(probs, y)), abs=1e-6)
+
+
+def test_binary_auc_matches_sklearn():
+    torch.manual_seed(2)
+    p = torch.rand(200)
+    y = (torch.rand(200) < p).long()
+    aucs = binary_auc(torch.stack([1 - p, p], 1), y)
+    assert aucs["auc_roc"] == pytest.approx(roc_auc_score(y.numpy(), p.numpy()), abs=1e-6)
+    assert aucs["auc_pr"] == pytest.approx(average_precision_score(y.numpy(), p.numpy()), abs=1e-6)
+
+
+def test_one_logit_binary_members_become_two_classes():
+    z = torch.tensor([[[0.0], [2.0]]])
+    lp = member_log_probs_from_logits(z)
+    assert torch.allclose(lp.exp(), torch.tensor([[[0.5, 0.5], [1 / (1 + np.exp(2)), 1 / (1 + np.exp(-2))]]]).float())
+
+
+def test_shape_errors_name_the_expected_layout():
+    with pytest.raises(ValueError, match=r"\[members, examples, classes\]"):
+        negative_log_likelihood(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="do not match"):
+        negative_log_likelihood(torch.zeros(1, 3, 2), torch.zeros(4, dtype=torch.long))
