@@ -1,0 +1,232 @@
+"""The rank-1 BNN training objective, usable on its own in any training loop.
+
+    loss = NLL + kl_scale(t) * sum_layers KL / N_train + l2 * sum ||w||^2
+
+* NLL: the average per-component negative log-likelihood (what works best in the paper;
+  ``likelihood="average"``), or the negative log-likelihood of the mixture
+  ``-log mean_k p(y | x, k)`` (a tighter bound that generalises worse; ``"mixture"``, needs the
+  tiled route). With the tiled route the outputs are ``[K * B, ...]`` member-major and the
+  labels are tiled K times to match; with the sampled route (one component per example) the
+  outputs are ``[B, ...]``.
+* KL of all rank-1 layers, summed over components (reference semantics), divided by the
+  number of training examples, scaled by ``kl_scale(t) = min(1, (t + 1) / annealing_steps)``.
+* L2 prior on the point-estimated weights (reference ``compute_l2_loss``): kernels, biases and
+  (optionally) normalisation-layer parameters; the rank-1 r / s variational parameters are
+  excluded. The reference gives each component k its own bias ``b_k``; bayesify stores it as
+  ``b + delta_k`` (shared original bias plus ``rank1_bias``), and the penalty is taken on the
+  effective ``b_k``: ``sum_k ||b + delta_k||^2``, exactly the reference's term.
+
+Example:
+    >>> objective = Objective(num_train=len(train_set), l2=1e-4, kl_annealing_steps=1000)
+    >>> with bayesify.mode(model, route="tile"):
+    ...     logits = model(x)                          # [K*B, classes]
+    >>> loss, parts = objective(model, logits, y, step)  # y: [B]; tiled inside
+
+References:
+    Dusenberry et al., ICML 2020, Eq. 3-4; reference ``baselines/cifar/rank1_bnn.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from bayesify.modules import is_converted, kl_divergence, rank1_layers, rank1_parameters
+
+__all__ = [
+    "Likelihood",
+    "Objective",
+    "kl_scale",
+    "l2_penalty",
+    "negative_log_likelihood",
+    "num_components",
+    "unwrap",
+]
+
+# normalisation layers whose affine parameters the reference's L2 covers ("batch_norm" in names)
+_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
+if hasattr(nn, "RMSNorm"):
+    _NORM_TYPES = (*_NORM_TYPES, nn.RMSNorm)
+
+
+class Likelihood(str, Enum):
+    """Which likelihood term the objective uses."""
+
+    AVERAGE = "average"
+    """mean over components of each component's NLL (reference default; what works best)."""
+    MIXTURE = "mixture"
+    """-log mean_k p(y | x, k): the mixture's NLL (tighter bound; needs the tiled route)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP / FSDP-style ``.module`` wrappers and ``torch.compile``'s ``_orig_mod``."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or (
+            model.module if isinstance(getattr(model, "module", None), nn.Module) else None
+        )
+        if inner is None:
+            return model
+        model = inner
+
+
+def num_components(model: nn.Module) -> int:
+    """K of a converted model, 1 for a plain one."""
+    if not is_converted(model):
+        return 1
+    from bayesify._routing import find_context
+
+    return find_context(model).components
+
+
+def kl_scale(step: int, annealing_steps: int) -> float:
+    """``min(1, (step + 1) / annealing_steps)``: linear KL annealing (1 when ``annealing_steps <= 0``)."""
+    if annealing_steps <= 0:
+        return 1.0
+    return min(1.0, (step + 1) / annealing_steps)
+
+
+def _log_likelihood(logits: Tensor, labels: Tensor) -> Tensor:
+    """log p(y | logits) per row; a one-logit output is a binary classifier (sigmoid)."""
+    logits = logits.float()
+    if logits.shape[-1] == 1 and logits.dim() == labels.dim() + 1:
+        z = logits.squeeze(-1)
+        return -F.binary_cross_entropy_with_logits(z, labels.to(z.dtype), reduction="none")
+    if logits.dim() > 2:  # [N, C, ...] dense outputs: average the extra axes per row
+        ll = -F.cross_entropy(logits, labels, reduction="none")
+        return ll.reshape(ll.shape[0], -1).mean(-1)
+    return -F.cross_entropy(logits, labels, reduction="none")
+
+
+def negative_log_likelihood(
+    logits: Tensor, labels: Tensor, *, components: int = 1, likelihood: Likelihood | str = Likelihood.AVERAGE
+) -> Tensor:
+    """The NLL term for outputs of the tiled (``[K*B, ...]``) or sampled (``[B, ...]``) route.
+
+    Args:
+        logits: model outputs; ``K * B`` rows member-major (tiled route) or ``B`` rows.
+        labels: the ``B`` labels of the batch (tiled here when the outputs are).
+        components: K.
+        likelihood: ``"average"`` or ``"mixture"``.
+
+    Raises:
+        ValueError: outputs whose rows are neither B nor K * B, or the mixture likelihood on
+            outputs that are not tiled.
+    """
+    likelihood = Likelihood(likelihood)
+    rows, batch = logits.shape[0], labels.shape[0]
+    if rows == batch and not (likelihood is Likelihood.MIXTURE and components > 1):
+        return -_log_likelihood(logits, labels).mean()
+    if rows != components * batch:
+        raise ValueError(
+            f"the model returned {rows} rows for a batch of {batch} labels; with K={components} components the "
+            f"sampled route gives {batch} rows and the tiled route {components * batch} (K x B). Run the forward "
+            "pass inside bayesify.mode(model, route='tile') or route='sample', or pass the matching labels."
+        )
+    if rows == batch:  # mixture likelihood asked for on a [B] output
+        raise ValueError(
+            f"likelihood='mixture' needs every example through all K={components} components: run the forward pass "
+            "with route='tile' (outputs [K*B, ...]), or use likelihood='average' with route='sample'."
+        )
+    log_lik = _log_likelihood(logits, labels.repeat(components, *([1] * (labels.dim() - 1))))  # member-major
+    if likelihood is Likelihood.AVERAGE:
+        return -log_lik.mean()
+    per_member = log_lik.view(components, batch)
+    return -(torch.logsumexp(per_member, 0) - math.log(components)).mean()
+
+
+def l2_penalty(model: nn.Module, *, norm_layers: bool = True) -> Tensor:
+    """``sum ||w||^2`` over the point-estimated parameters (no coefficient).
+
+    Covers every parameter that is not a rank-1 variational parameter (r / s locations and
+    scales); normalisation-layer parameters only with ``norm_layers``. The per-component
+    biases enter as the effective ``b_k = b + delta_k`` (see the module doc).
+    """
+    model = unwrap(model)
+    rank1_ids = {id(p) for p in rank1_parameters(model)}
+    skip: set[int] = set(rank1_ids)
+    if not norm_layers:
+        for module in model.modules():
+            if isinstance(module, _NORM_TYPES):
+                skip.update(id(p) for p in module.parameters(recurse=False))
+    terms: list[Tensor] = []
+    for _, layer in rank1_layers(model):
+        delta = layer._parameters.get("rank1_bias")
+        bias = layer._parameters.get("bias")
+        if delta is not None and bias is not None and id(bias) not in skip:
+            terms.append((bias.unsqueeze(0) + delta).float().pow(2).sum())
+            skip.add(id(bias))
+        elif delta is not None:
+            terms.append(delta.float().pow(2).sum())
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in skip or id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        terms.append(p.float().pow(2).sum())
+    if not terms:
+        p = next(model.parameters(), None)
+        return torch.zeros((), device=None if p is None else p.device)
+    return torch.stack(terms).sum()
+
+
+@dataclass
+class Objective:
+    """``loss = NLL + kl_scale(step) * KL / num_train + l2 * L2``.
+
+    Args:
+        num_train: N, the number of training examples (the KL is per example).
+        l2: coefficient of the L2 prior on the point-estimated weights (reference 1e-4 / 3e-4).
+        kl_annealing_steps: steps over which the KL weight rises linearly to 1 (0: no annealing).
+        likelihood: ``"average"`` (per-component NLL, default) or ``"mixture"``.
+        l2_norm_layers: include normalisation-layer parameters in the L2 term (CIFAR reference).
+    """
+
+    num_train: int
+    l2: float = 0.0
+    kl_annealing_steps: int = 0
+    likelihood: Likelihood | str = Likelihood.AVERAGE
+    l2_norm_layers: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_train, bool) or not isinstance(self.num_train, int) or self.num_train < 1:
+            raise ValueError(f"num_train={self.num_train!r} must be the number of training examples (an int >= 1).")
+        if self.l2 < 0:
+            raise ValueError(f"l2={self.l2!r} must be >= 0 (reference: 1e-4 CIFAR-10, 3e-4 CIFAR-100).")
+        try:
+            self.likelihood = Likelihood(self.likelihood)
+        except ValueError:
+            raise ValueError(f"likelihood={self.likelihood!r} must be 'average' or 'mixture'.") from None
+
+    def __call__(self, model: nn.Module, logits: Tensor, labels: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss and its parts (``nll``, ``kl``, ``kl_scale``, ``l2``, ``loss``; detached).
+
+        Args:
+            model: the model (or its DDP / compiled wrapper) that produced ``logits``.
+            logits: its output for the batch (``[B, ...]`` or ``[K*B, ...]``).
+            labels: the ``[B]`` labels.
+            step: the optimizer step about to be taken (0-based), for the KL annealing.
+        """
+        inner = unwrap(model)
+        k = num_components(inner)
+        nll = negative_log_likelihood(logits, labels, components=k, likelihood=self.likelihood)
+        loss = nll
+        parts: dict[str, Tensor] = {"nll": nll.detach()}
+        if k > 1 or is_converted(inner):
+            kl = kl_divergence(inner).to(nll.device).float() / self.num_train
+            scale = kl_scale(step, self.kl_annealing_steps)
+            loss = loss + scale * kl
+            parts.update(kl=kl.detach(), kl_scale=torch.tensor(scale))
+        if self.l2 > 0:
+            l2 = self.l2 * l2_penalty(inner, norm_layers=self.l2_norm_layers).to(nll.device)
+            loss = loss + l2
+            parts["l2"] = l2.detach()
+        parts["loss"] = loss.detach()
+        return loss, parts

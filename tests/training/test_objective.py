@@ -1,0 +1,113 @@
+"""The objective: per-component / mixture NLL, KL / N with annealing, the reference's L2 term."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import bayesify
+from bayesify.training.objective import Likelihood, Objective, kl_scale, l2_penalty, negative_log_likelihood
+
+
+def _net(components: int = 3) -> nn.Module:
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    return bayesify.convert(net, components=components, init="random_sign", init_sign_p=0.5)
+
+
+def test_kl_scale_is_linear_then_one():
+    assert kl_scale(0, 10) == pytest.approx(0.1)
+    assert kl_scale(4, 10) == pytest.approx(0.5)
+    assert kl_scale(9, 10) == 1.0
+    assert kl_scale(500, 10) == 1.0
+    assert kl_scale(0, 0) == 1.0  # no annealing
+
+
+def test_average_likelihood_tiles_labels_member_major():
+    k, b = 3, 5
+    logits = torch.randn(k * b, 4, dtype=torch.float64)
+    labels = torch.randint(4, (b,))
+    expected = F.cross_entropy(logits, torch.cat([labels] * k))
+    got = negative_log_likelihood(logits, labels, components=k)
+    assert torch.allclose(got, expected.float())
+
+
+def test_mixture_likelihood_is_log_mean_exp_over_components():
+    k, b = 4, 6
+    logits = torch.randn(k * b, 5, dtype=torch.float64)
+    labels = torch.randint(5, (b,))
+    log_p = logits.log_softmax(-1).view(k, b, 5)
+    by_hand = 0.0
+    for e in range(b):  # -log (1/K sum_k p_k(y_e)), averaged over examples
+        by_hand -= math.log(sum(math.exp(float(log_p[i, e, labels[e]])) for i in range(k)) / k) / b
+    got = negative_log_likelihood(logits, labels, components=k, likelihood="mixture")
+    assert float(got) == pytest.approx(by_hand, rel=1e-5)
+    # the mixture bound is tighter: never above the average per-component NLL
+    assert got <= negative_log_likelihood(logits, labels, components=k, likelihood=Likelihood.AVERAGE) + 1e-6
+
+
+def test_sampled_route_outputs_use_labels_as_they_are():
+    logits, labels = torch.randn(7, 3), torch.randint(3, (7,))
+    assert torch.allclose(negative_log_likelihood(logits, labels, components=4), F.cross_entropy(logits, labels))
+
+
+def test_one_logit_binary_outputs_use_the_sigmoid():
+    logits, labels = torch.randn(6, 1), torch.randint(2, (6,))
+    expected = F.binary_cross_entropy_with_logits(logits.squeeze(-1), labels.float())
+    assert torch.allclose(negative_log_likelihood(logits, labels), expected)
+
+
+def test_rows_that_fit_no_route_raise_with_the_fix():
+    with pytest.raises(ValueError, match=r"10 rows for a batch of 4 labels.*route='tile'"):
+        negative_log_likelihood(torch.randn(10, 3), torch.zeros(4, dtype=torch.long), components=4)
+    with pytest.raises(ValueError, match="route='tile'"):
+        negative_log_likelihood(torch.randn(4, 3), torch.zeros(4, dtype=torch.long), components=4, likelihood="mixture")
+
+
+def test_l2_covers_point_estimates_and_effective_biases_not_factors():
+    net = _net()
+    first, bn, last = net[0], net[1], net[3]
+    with torch.no_grad():
+        first.rank1_bias.normal_()
+        last.rank1_bias.normal_()
+        by_hand = sum(float(m.weight.pow(2).sum()) for m in (first, last))
+        by_hand += sum(float((m.bias + m.rank1_bias).pow(2).sum()) for m in (first, last))  # b_k = b + delta_k
+        with_bn = by_hand + float(bn.weight.pow(2).sum() + bn.bias.pow(2).sum())
+    assert float(l2_penalty(net).detach()) == pytest.approx(with_bn, rel=1e-5)
+    assert float(l2_penalty(net, norm_layers=False).detach()) == pytest.approx(by_hand, rel=1e-5)
+    # r / s variational parameters get no gradient from it
+    l2_penalty(net).backward()
+    for p in bayesify.rank1_parameters(net):
+        if p is not first.rank1_bias and p is not last.rank1_bias:
+            assert p.grad is None
+
+
+def test_objective_sums_nll_annealed_kl_over_n_and_l2():
+    net = _net(components=2)
+    x, y = torch.randn(5, 4), torch.randint(3, (5,))
+    with bayesify.mode(net, "tile"):
+        logits = net(x)
+    objective = Objective(num_train=100, l2=1e-3, kl_annealing_steps=4)
+    loss, parts = objective(net, logits, y, step=1)
+    nll = negative_log_likelihood(logits, y, components=2)
+    kl = bayesify.kl_divergence(net) / 100
+    expected = nll + 0.5 * kl + 1e-3 * l2_penalty(net)
+    assert torch.allclose(loss, expected)
+    assert float(parts["kl_scale"]) == 0.5
+    assert set(parts) == {"nll", "kl", "kl_scale", "l2", "loss"}
+
+
+def test_objective_on_a_plain_model_has_no_kl():
+    net = nn.Linear(3, 2)
+    loss, parts = Objective(num_train=10)(net, net(torch.randn(4, 3)), torch.randint(2, (4,)), 0)
+    assert "kl" not in parts and torch.isfinite(loss)
+
+
+def test_objective_rejects_bad_settings():
+    with pytest.raises(ValueError, match="num_train"):
+        Objective(num_train=0)
+    with pytest.raises(ValueError, match="likelihood='gibbs'"):
+        Objective(num_train=3, likelihood="gibbs")
+    with pytest.raises(ValueError, match="l2=-1"):
+        Objective(num_train=3, l2=-1)

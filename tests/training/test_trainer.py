@@ -1,0 +1,126 @@
+"""The trainer: routes, precision, metrics.jsonl, checkpoints, exact resume, clear errors."""
+
+import json
+
+import pytest
+import torch
+
+from bayesify.data import DataBundle, InMemoryDataset, load_data
+from bayesify.training import TrainConfig, Trainer, build_model, load_checkpoint
+
+
+@pytest.fixture(scope="module")
+def digits() -> DataBundle:
+    full = load_data("digits")
+    train, test = full.train, full.test
+    return DataBundle(
+        "digits", InMemoryDataset(train.inputs[:320], train.labels[:320]), InMemoryDataset(test.inputs[:100], test.labels[:100]),
+        10, (1, 8, 8), full.kind, full.mean, full.std,
+    )  # fmt: skip
+
+
+def _config(tmp_path, name="run", **overrides) -> TrainConfig:
+    values = dict(
+        model="mlp", data="digits", epochs=2, batch_size=32, out=str(tmp_path / name), progress=False, log_every=4
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def _train(config: TrainConfig, data: DataBundle, callback=None) -> tuple[torch.nn.Module, dict]:
+    model = build_model(config, data)
+    trainer = Trainer(config, model, data)
+    if callback is not None:
+        trainer.add_callback("on_batch_end", callback)
+    return model, trainer.run()
+
+
+def test_a_run_writes_metrics_and_a_checkpoint(tmp_path, digits):
+    config = _config(tmp_path, route="tile")
+    model, results = _train(config, digits)
+    assert 0.0 < results["accuracy"] <= 1.0 and results["components"] == 4
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [4, 8, 12, 16, 20]
+    assert {"loss", "nll", "kl", "kl_scale", "l2", "lr", "examples_per_s"} <= set(train[0])
+    assert [(r["epoch"], r["step"]) for r in evals] == [(1, 10), (2, 20)]
+    state = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert (state["step"], state["epoch"], state["batch"]) == (20, 2, 0)
+    assert state["config"]["route"] == "tile"
+    for name, value in model.state_dict().items():
+        assert torch.equal(state["model"][name], value), name
+
+
+@pytest.mark.parametrize("interrupt_at, every", [(13, 4), (11, 0)], ids=["mid-epoch", "epoch-end"])
+def test_resume_after_an_interruption_is_bitwise_an_uninterrupted_run(tmp_path, digits, interrupt_at, every):
+    # sampled route with posterior noise, Adam, warm-up and decay: every RNG stream and state must be restored
+    common = dict(route="sample", optimizer="adam", lr=3e-3, warmup_epochs=0.5, decay_epochs=(1.5,), epochs=3,
+                  checkpoint_every=every)  # fmt: skip
+    reference, _ = _train(_config(tmp_path, "whole", **common), digits)
+
+    def interrupt(trainer):
+        if trainer.step == interrupt_at:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _train(_config(tmp_path, "cut", **common), digits, interrupt)
+    saved = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    assert saved["step"] == (12 if every else 10)
+    resumed, _ = _train(_config(tmp_path, "cut", resume=True, **common), digits)
+
+    expected = reference.state_dict()
+    for name, value in resumed.state_dict().items():
+        assert torch.equal(value, expected[name]), f"{name} differs after resume"
+    whole = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
+    cut = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in cut] == [json.loads(r)["step"] for r in whole]  # no duplicated lines
+
+
+def test_an_existing_run_is_never_overwritten(tmp_path, digits):
+    config = _config(tmp_path, epochs=1)
+    _train(config, digits)
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    with pytest.raises(ValueError, match="already holds a checkpoint.*--resume"):
+        _train(config, digits)
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before
+
+
+def test_batch_norm_with_one_row_per_step_names_the_fix(tmp_path, digits):
+    config = _config(tmp_path, model="resnet18", batch_size=1, route="sample")
+    with pytest.raises(ValueError, match="batch_size=1 .* at least 2 rows.*--route tile"):
+        _train(config, digits)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(route="mixture"), "route='mixture' must be 'sample' or 'tile'"),
+        (dict(likelihood="mixture", route="sample"), "--route tile"),
+        (dict(precision="fp8"), "precision='fp8'"),
+        (dict(batch_size=0), "batch_size=0"),
+    ],
+)
+def test_bad_settings_raise_before_training(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _config(tmp_path, **overrides).validate()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(tmp_path, digits, precision):
+    model, results = _train(_config(tmp_path, precision=precision, max_steps=4, route="tile"), digits)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert results["nll"] == results["nll"]  # not NaN
+
+
+def test_mixture_likelihood_gradient_clipping_and_the_deterministic_baseline(tmp_path, digits):
+    _train(_config(tmp_path, "mix", route="tile", likelihood="mixture", grad_clip=1.0, max_steps=4), digits)
+    record = json.loads((tmp_path / "mix" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "grad_norm" in record
+    model, results = _train(_config(tmp_path, "det", components=0, max_steps=4, optimizer="sgd", lr=0.05), digits)
+    assert results["components"] == 1 and results["samples"] == 1
+
+
+def test_torch_compile_path(tmp_path, digits):
+    model, results = _train(_config(tmp_path, compile=True, max_steps=2, components=0), digits)
+    assert results["accuracy"] >= 0.0
