@@ -1,0 +1,118 @@
+"""The ``bayesify`` command line: train / evaluate end to end, presets, and user errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bayesify import cli
+from bayesify.training import load_checkpoint
+
+FAST = ["--model", "mlp", "--data", "digits", "--batch-size", "64", "--no-progress"]
+
+
+def _train(tmp_path, *extra: str, name: str = "run") -> int:
+    return cli.main(["train", *FAST, "--out", str(tmp_path / name), *extra])
+
+
+def test_train_then_evaluate_with_corruptions_writes_the_report(tmp_path, capsys):
+    assert _train(tmp_path, "--epochs", "1", "--max-steps", "3", "--route", "tile") == 0
+    run = tmp_path / "run"
+    assert (run / "checkpoint.pt").is_file() and (run / "metrics.jsonl").is_file()
+    capsys.readouterr()
+    code = cli.main(["evaluate", "--out", str(run), "--corruptions", "gaussian_noise,contrast", "--severities", "1,5",
+                     "--max-examples", "64", "--samples", "2", "--no-progress"])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| NLL | accuracy | ECE | Brier | cNLL | cA | cECE |" in printed and "## Members" in printed
+    for png in ("reliability.png", "corruptions.png"):
+        assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((run / "evaluation.json").read_text())
+    assert report["clean"]["components"] == 4 and report["clean"]["samples"] == 2
+    assert set(report["corrupted"]["results"]) == {"gaussian_noise", "contrast"}
+    assert set(report["corrupted"]["by_severity"]) == {"1", "5"}
+    assert (run / "report.md").read_text().startswith("# mlp on digits")
+
+
+def test_resume_continues_with_the_saved_settings(tmp_path):
+    assert _train(tmp_path, "--epochs", "1", "--lr", "0.002") == 0
+    first = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert cli.main(["train", "--out", str(tmp_path / "run"), "--resume", "--epochs", "2", "--no-progress"]) == 0
+    second = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
+    assert second["step"] == 2 * first["step"] and second["epoch"] == 2
+    assert second["config"]["lr"] == 0.002 and second["config"]["model"] == "mlp"
+
+
+def test_preset_fills_the_paper_recipe_scaled_to_epochs_and_batch():
+    args = cli._parser().parse_args(
+        ["train", "--model", "cnn", "--data", "digits", "--out", "/nonexistent/x", "--preset", "cifar10",
+         "--epochs", "2", "--batch-size", "64", "--l2", "0"]
+    )  # fmt: skip
+    config = cli._train_config(args)
+    assert config.optimizer == "sgd" and config.nesterov and config.momentum == 0.9
+    assert config.lr == pytest.approx(0.05)  # 0.1 x 64 / 128
+    assert config.decay_epochs == (0.8, 1.6, 1.8) and config.decay_ratio == 0.2 and config.warmup_epochs == 1
+    assert config.kl_annealing_epochs == pytest.approx(1.6) and config.route == "tile" and config.components == 4
+    assert config.prior_std == 0.1 and config.l2 == 0  # explicit flags win over the preset
+    imagenet = cli._train_config(
+        cli._parser().parse_args(
+            ["train", "--model", "resnet50", "--data", "digits", "--out", "/nonexistent/y", "--preset", "imagenet"]
+        )
+    )
+    assert imagenet.lr == pytest.approx(0.1) and imagenet.prior_std == 0.05 and not imagenet.l2_norm_layers
+    assert imagenet.decay_epochs == (45.0, 90.0, 120.0) and imagenet.init_sign_p == 0.75
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--model", "resnet1888", "--data", "digits"], "model='resnet1888' is not a built-in"),
+        (["train", "--model", "mlp", "--data", "mnist"], "data='mnist' is not a known data set"),
+        (["train", "--model", "resnet18", "--data", "mnist1d"], "2-d image model but the data is signal data"),
+        (["train", "--model", "mlp", "--data", "digits", "--batch-size", "5000"], "--batch-size 1257 or less"),
+        (["train", "--model", "mlp"], "train needs --data"),
+        (["train", "--model", "mlp", "--data", "digits", "--resume"], "no checkpoint at"),
+        (["evaluate"], "no checkpoint at"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line_naming_the_fix(tmp_path, capsys, argv, message):
+    code = cli.main([*argv, "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_nothing_saved_is_lost_by_a_second_train_or_a_corrupt_checkpoint(tmp_path, capsys):
+    assert _train(tmp_path, "--max-steps", "2", "--epochs", "1") == 0
+    path = tmp_path / "run" / "checkpoint.pt"
+    saved = path.read_bytes()
+    assert _train(tmp_path, "--max-steps", "2") == 2
+    assert "already holds a checkpoint; pass --resume" in capsys.readouterr().err
+    assert path.read_bytes() == saved
+    path.write_bytes(saved[: len(saved) // 2])  # a torn file, e.g. from a copy that was cut short
+    torn = path.read_bytes()
+    for argv in (["evaluate", "--out", str(tmp_path / "run")], ["train", "--out", str(tmp_path / "run"), "--resume"]):
+        assert cli.main(argv) == 2
+        assert "is corrupt or unreadable" in capsys.readouterr().err
+        assert path.read_bytes() == torn
+
+
+def test_corruptions_need_images_and_resume_keeps_the_model(tmp_path, capsys):
+    assert cli.main(["train", "--model", "mlp", "--data", "breast-cancer", "--max-steps", "2", "--out",
+                     str(tmp_path / "bc"), "--no-progress"]) == 0  # fmt: skip
+    assert cli.main(["evaluate", "--out", str(tmp_path / "bc"), "--corruptions"]) == 2
+    assert "--corruptions applies to image data" in capsys.readouterr().err
+    assert cli.main(["train", "--out", str(tmp_path / "bc"), "--resume", "--model", "cnn"]) == 2
+    assert "--model cnn differs from the run" in capsys.readouterr().err
+    assert cli.main(["evaluate", "--out", str(tmp_path / "bc")]) == 0
+    assert "AUC-PR" in capsys.readouterr().out
+
+
+def test_python_dash_m_reports_user_errors_without_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "bayesify", "evaluate", "--out", str(tmp_path / "missing")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith("bayesify evaluate: error: no checkpoint at") and "Traceback" not in result.stderr
