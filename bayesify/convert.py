@@ -84,8 +84,12 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def _is_weight_bearing(module: nn.Module) -> bool:
-    """Whether a module owns a parameter that can be a linear map or a kernel (2+ dims)."""
-    return any(p.dim() >= 2 for p in module.parameters(recurse=False))
+    """Whether a module owns a parameter shaped like a matrix or kernel: 2+ axes longer than 1.
+
+    Per-channel scales and tokens (``[C, 1, 1]``, ``[1, 1, D]``) are not; whether a table such as
+    a position embedding is a linear map, ``summary(model, x)`` finds out by watching its use.
+    """
+    return any(sum(size > 1 for size in p.shape) >= 2 for p in module.parameters(recurse=False))
 
 
 # kept deterministic by design, as in the paper: never reported as skipped linear maps

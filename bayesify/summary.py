@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from bayesify._routing import find_context
+from bayesify._weight_uses import WeightUses, watched_parameters
+from bayesify.convert import _is_weight_bearing, _skip_reason
 from bayesify.mode import mode
 from bayesify.modules import rank1_layers
 from bayesify.wrappers.base import Rank1Layer
@@ -64,7 +66,11 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     With an example input (``summary(model, x)``) it also runs one forward pass (no gradients,
     one component, no noise) and names every converted layer that did not take part: layers
     whose forward never ran and whose weight was not intercepted, and layers whose weight
-    was used by other maths (see ``bayesify.wrappers._intercept``).
+    was used by other maths (see ``bayesify.wrappers._intercept``). It also watches the
+    unconverted 2-d+ parameters: one used as a linear map (by ``F.linear``, ``matmul``, a
+    convolution, ...) is reported with the one-line ``mapping=`` to convert it, and a module
+    whose parameters were only used otherwise (position embeddings, bias tables, scales) is
+    dropped from ``skipped`` (see ``bayesify._weight_uses``).
     """
     context = find_context(model)
     report = Summary(model=type(model).__name__, components=context.components)
@@ -83,7 +89,7 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
             continue
         if any(name.startswith(p + ".") for p in layer_names if p) or (layer_names and "" in layer_names):
             continue
-        if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+        if _is_weight_bearing(module) and _skip_reason(module) is not None:
             report.skipped[name] = f"{type(module).__name__} is not converted (added after conversion?)"
 
     for name, layer in rank1_layers(model):
@@ -104,12 +110,21 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
         layer.__dict__.pop("_rank1_bypassed_by", None)
         layer.__dict__.pop("_rank1_intercepted_by", None)
         handles.append(layer.register_forward_pre_hook(lambda m, a, n=name: ran.add(n)))
+    watcher = WeightUses(watched_parameters(model, layers))
     try:
-        with torch.no_grad(), mode(model, "component", component=0, noise=False):
+        with torch.no_grad(), mode(model, "component", component=0, noise=False), watcher:
             model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
+    linear, not_linear = watcher.verdicts(dict(model.named_modules()))
+    guessed = ("has no rank-1 wrapper", "added after conversion")  # static reasons, not the user's choice
+    for name, why in linear.items():
+        if name not in report.skipped or any(g in report.skipped[name] for g in guessed):
+            report.skipped[name] = why
+    for name in not_linear:
+        if any(g in report.skipped.get(name, "") for g in guessed):
+            del report.skipped[name]
     for name, layer in layers.items():
         used = layer.__dict__.get("_rank1_bypassed_by")
         if used:
