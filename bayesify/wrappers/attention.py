@@ -24,6 +24,7 @@ References:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -45,8 +46,6 @@ def _canonical(mask: Tensor | None, name: str, other: Tensor | None, dtype: torc
     if mask.dtype != torch.bool and not torch.is_floating_point(mask):
         raise AssertionError(f"only bool and floating types of {name} are supported")
     if check and other is not None and mask.dtype != other.dtype:
-        import warnings
-
         warnings.warn(f"Support for mismatched {name} and attn_mask is deprecated. Use same type for both instead.")
     if not torch.is_floating_point(mask):
         mask = torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))

@@ -22,8 +22,9 @@ Where the batch lies is read from the layer (``batch_first``, unbatched 2-D inpu
 ``PackedSequence``), not from ``convert(batch_dim=...)``. For a ``PackedSequence`` the samples of
 example ``i`` follow it through ``sorted_indices``.
 
-Deviation from the reference: the reference's per-component biases are full copies; here
-``b_k = b + delta_k`` with the original bias shared (the same family of functions).
+As the reference LSTM (and unlike its dense and convolutional layers), samples are not clipped
+to ``[-clip, clip]``. Deviation from the reference: its per-component biases are full copies;
+here ``b_k = b + delta_k`` with the original bias shared (the same family of functions).
 
 References:
     Dusenberry et al., ICML 2020, Sec. 3 and App. (MIMIC-III LSTM); edward2 ``LSTMCellRank1``.
@@ -60,11 +61,12 @@ class _Rank1Recurrent(Rank1Layer):
         """Factors (and bias offsets) of the kernels ``weight_ih{tag}``, ``weight_hh{tag}``, ``weight_hr{tag}``."""
         params = self._parameters
         w_ih, w_hh, w_hr = params[f"weight_ih{tag}"], params[f"weight_hh{tag}"], params.get(f"weight_hr{tag}")
+        unclipped = config.replace(clip=None)  # the reference LSTMCellRank1 does not clip its samples
         for kernel, weight in (("ih", w_ih), ("hh", w_hh), ("hr", w_hr)):
             if weight is None:
                 continue
-            setattr(self, f"rank1_s_{kernel}{tag}", self._rank1_new_factor(weight.shape[1], config))
-            setattr(self, f"rank1_r_{kernel}{tag}", self._rank1_new_factor(weight.shape[0], config))
+            setattr(self, f"rank1_s_{kernel}{tag}", self._rank1_new_factor(weight.shape[1], unclipped))
+            setattr(self, f"rank1_r_{kernel}{tag}", self._rank1_new_factor(weight.shape[0], unclipped))
         bias = params.get(f"bias_ih{tag}")
         if bias is not None:
             zeros = torch.zeros(config.components, w_ih.shape[0], device=bias.device, dtype=bias.dtype)

@@ -467,3 +467,10 @@ def test_copy_and_pickle(layers: int, bidir: bool) -> None:
     clone = copy.deepcopy(layer)
     with bayesify.mode(layer, route="tile", noise=False), bayesify.mode(clone, route="tile", noise=False):
         torch.testing.assert_close(layer(x)[0], clone(x)[0])
+
+
+def test_recurrent_samples_are_not_clipped() -> None:
+    """As the reference LSTMCellRank1 (its dense / conv layers clip to [-10, 10], its LSTM does not)."""
+    model = bayesify.convert(nn.Sequential(nn.LSTM(F_IN, H), nn.Linear(H, 2)), components=K, clip=10.0)
+    assert all(f.config.clip is None for _, f in model[0].rank1_factors())
+    assert model[1].rank1_s.config.clip == 10.0
