@@ -13,6 +13,7 @@ Rows per layer:
 * ``torch``: ``nn.LSTM`` / ``nn.GRU`` (ATen's fused CPU kernel);
 * ``rank-1, sample``: the converted layer in training mode (the default route: one component
   per example, cost ~1x);
+* ``torch, batch x4``: torch's module on 4 copies of the batch, the yardstick for the next row;
 * ``rank-1, tile K=4``: every example through all 4 members (``mode(route="tile")``), i.e. a
   4x larger batch: the cost of the paper's training layout and of evaluation;
 * ``autograd loop``: the same rank-1 maths written the obvious way, autograd through a Python
@@ -134,8 +135,10 @@ def main() -> None:
         torch_layer = cls(args.hidden, args.hidden, batch_first=True)
         rank1 = bayesify.convert(copy.deepcopy(torch_layer), components=4)
         torch_layer.train(), rank1.train()
+        x_tiled = torch.cat([x] * 4)
         variants: list[tuple[str, Callable[[], object]]] = [
             ("torch (train step)", train_step(torch_layer, x)),
+            ("torch, batch x4 (train step)", train_step(torch_layer, x_tiled)),
             ("rank-1, sample (train step)", train_step(rank1, x)),
             ("rank-1, tile K=4 (train step)", train_step(rank1, x, lambda: bayesify.mode(rank1, route="tile"))),
             ("autograd loop (train step)", train_step(_Call(rank1, autograd_loop(rank1)), x)),
