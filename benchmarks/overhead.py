@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 from typing import Callable
 
 import torch
@@ -29,6 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import bayesify
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
+    from _timing import time_steps
+else:
+    from benchmarks._timing import time_steps
 
 
 def saved_activation_bytes(step: Callable[[], None]) -> int:
@@ -42,19 +45,6 @@ def saved_activation_bytes(step: Callable[[], None]) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
     return total
-
-
-def time_steps(steps: list[Callable[[], None]], repeats: int) -> list[float]:
-    """Median seconds per step of each, measured round-robin so that load on the machine hits all alike."""
-    for step in steps:
-        step()  # warm-up
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for i, step in enumerate(steps):
-            start = time.perf_counter()
-            step()
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
 
 
 def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, route: str | None = None, kl: Callable | None = None):

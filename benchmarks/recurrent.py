@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 from typing import Callable
 
 import torch
@@ -38,18 +36,10 @@ from torch import Tensor, nn
 
 import bayesify
 
-
-def time_steps(steps: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median seconds per call of each, measured round-robin."""
-    for step in steps:
-        step()  # warm-up (and compilation, if any)
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(repeats):
-        for i, step in enumerate(steps):
-            start = time.perf_counter()
-            step()
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
+if __package__ in (None, ""):  # run as a script: python benchmarks/NAME.py
+    from _timing import time_steps
+else:
+    from benchmarks._timing import time_steps
 
 
 def train_step(module: nn.Module, x: Tensor, context: Callable | None = None) -> Callable[[], None]:
