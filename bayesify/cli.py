@@ -15,6 +15,7 @@ is touched.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -80,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--prior-std", type=float)
     t.add_argument("--posterior", choices=["normal", "cauchy", "delta"])
     t.add_argument("--init", choices=["preserve", "random_sign", "normal"])
+    t.add_argument("--init-mean-std", type=float, help="spread of the means for --init normal")
     t.add_argument("--init-sign-p", type=float)
     t.add_argument("--init-dropout", type=float)
     t.add_argument("--init-jitter", type=float)
@@ -192,6 +194,8 @@ def _train_config(args: argparse.Namespace) -> Any:
             values["lr"] = preset.pop("base_lr") * batch / preset.pop("lr_batch")
         values.update(preset)
     values.update(explicit)
+    if values.get("pretrained") and "init" not in explicit:
+        values["init"] = "preserve"  # keep the pretrained network's function at the start
     return TrainConfig(**values)
 
 
@@ -222,7 +226,8 @@ def _run_training(config: Any, download: bool) -> dict[str, Any]:
     from bayesify.training import Trainer, build_model
 
     bundle = load_data(config.data, config.data_dir, download=download, seed=0)
-    model = build_model(config, bundle)
+    # a resumed run loads its weights from the checkpoint: no pretrained download
+    model = build_model(dataclasses.replace(config, pretrained=False) if config.resume else config, bundle)
     try:
         return Trainer(config, model, bundle).run()
     finally:
@@ -258,7 +263,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     state = load_checkpoint(out / "checkpoint.pt")
     config = TrainConfig.from_dict(state["config"])
     bundle = load_data(config.data, args.data_dir or config.data_dir, seed=0)
-    model = build_model(config, bundle)
+    model = build_model(dataclasses.replace(config, pretrained=False), bundle)  # weights come from the checkpoint
     model.load_state_dict(state["model"])
     device = resolve_device(args.device)
     model.to(device).eval()

@@ -64,6 +64,16 @@ def test_preset_fills_the_paper_recipe_scaled_to_epochs_and_batch():
     assert imagenet.decay_epochs == (45.0, 90.0, 120.0) and imagenet.init_sign_p == 0.75
 
 
+def test_defaults_start_means_near_one_and_pretrained_preserves_the_network():
+    parse = cli._parser().parse_args
+    plain = cli._train_config(parse(["train", "--model", "cnn", "--data", "digits", "--out", "/nonexistent/a"]))
+    assert (plain.init, plain.init_mean_std, plain.route, plain.components) == ("normal", 0.1, "sample", 4)
+    pretrained = cli._train_config(
+        parse(["train", "--model", "resnet18", "--data", "digits", "--out", "/nonexistent/b", "--pretrained"])
+    )
+    assert pretrained.init == "preserve"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
