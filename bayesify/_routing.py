@@ -278,11 +278,47 @@ def detach(root: nn.Module) -> None:
             root._forward_hooks_always_called.pop(key, None)
 
 
-def find_context(model: nn.Module) -> Rank1Context:
-    """The routing context of a converted model (also through wrappers such as DDP)."""
+def find_root(model: nn.Module) -> nn.Module:
+    """The module carrying the routing hooks of a converted model (also through wrappers such as DDP)."""
     for module in model.modules():
         if is_root(module):
-            return module._rank1_context
+            return module
     raise ValueError(
         f"{type(model).__name__} is not a converted model (no rank-1 routing found); call bayesify.convert(model) first."
     )
+
+
+def find_context(model: nn.Module) -> Rank1Context:
+    """The routing context of a converted model (also through wrappers such as DDP)."""
+    return find_root(model)._rank1_context
+
+
+def split_members(root: nn.Module, output: object) -> object:
+    """The output of the root's last tiled forward with a member axis in front of each batched leaf.
+
+    A leaf of shape ``[..., members * B, ...]`` (batch at its own axis) becomes
+    ``[members, ..., B, ...]``: the members first, everything else as the model returns it.
+
+    Uses the batch axis of that forward (a converted layer used as the model states one per
+    output, e.g. a sequence-first LSTM's states); an unbatched example's leaves become
+    ``[members, ...]``. PackedSequences and leaves without the tiled batch are returned as they are.
+    """
+    context: Rank1Context = root._rank1_context
+    batch, axis = context.batch_size, context.axis
+    leaves, tree = tree_flatten(output, is_leaf=_is_packed)
+    if hasattr(root, "_rank1_output_axes"):
+        axes = root._rank1_output_axes(output)
+    else:
+        axes = [0 if axis is None else axis] * len(leaves)
+
+    def split(t: object, dim: int | None) -> object:
+        if dim is None or not isinstance(t, Tensor) or t.dim() <= dim:
+            return t
+        if axis is None:
+            return t.movedim(dim, 0)
+        if t.shape[dim] % batch:
+            return t
+        t = t.movedim(dim, 0)
+        return t.reshape(t.shape[0] // batch, batch, *t.shape[1:]).movedim(1, dim + 1)
+
+    return tree_unflatten([split(t, d) for t, d in zip(leaves, axes)], tree)

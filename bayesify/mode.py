@@ -6,10 +6,9 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
-from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch import nn
 
-from bayesify._routing import RouteSpec, find_context
+from bayesify._routing import RouteSpec, find_context, find_root, split_members
 from bayesify.options import Reduction, Route, parse_option
 
 __all__ = ["mode", "predict"]
@@ -73,23 +72,15 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool = True, 
     current train/eval state (call ``model.eval()`` first for evaluation).
 
     Returns:
-        The model's output structure with every batched tensor reshaped to
-        ``[K * samples, B, ...]`` (component-major: member ``k * samples + m``).
+        The model's output structure with a member axis in front of every batched tensor:
+        ``[K * samples, B, ...]`` for a batch-first output (``[K * samples, T, B, ...]`` for a
+        sequence-first one), component-major: member ``k * samples + m``.
 
     Example:
         >>> members = bayesify.predict(model.eval(), x, samples=4)     # [K*4, B, classes]
         >>> probs = members.softmax(-1).mean(0)
     """
-    context = find_context(model)
+    root = find_root(model)
     with torch.no_grad(), mode(model, Route.TILE, samples=samples, noise=noise):
         output = model(*args, **kwargs)
-    members = context.components * samples
-    dim = context.batch_dim
-
-    def split(t: object) -> object:
-        if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] % members == 0:
-            t = t.movedim(dim, 0)
-            return t.reshape(members, t.shape[0] // members, *t.shape[1:]).movedim(1, dim + 1)
-        return t
-
-    return tree_map(split, output)
+    return split_members(root, output)

@@ -217,3 +217,16 @@ def test_activation_checkpointing_recomputes_the_same_members(name: str) -> None
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], msg=f"gradient of {n} differs under checkpointing")
+
+
+def test_predict_keeps_each_outputs_own_batch_axis() -> None:
+    """A sequence-first LSTM as the model: output [T, B, H], states [layers, B, H]."""
+    lstm = bayesify.convert(nn.LSTM(3, 5, num_layers=2), components=2).eval()
+    x = torch.randn(7, 4, 3)
+    out, (h, c) = bayesify.predict(lstm, x, samples=3)
+    assert out.shape == (6, 7, 4, 5) and h.shape == c.shape == (6, 2, 4, 5)
+    with bayesify.mode(lstm, route="tile", samples=3, noise=False):
+        tiled, (h_tiled, _) = lstm(x)
+    members, (h_members, _) = bayesify.predict(lstm, x, samples=3, noise=False)
+    torch.testing.assert_close(members[4], tiled[:, 16:20])
+    torch.testing.assert_close(h_members[4], h_tiled[:, 16:20])
