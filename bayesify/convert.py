@@ -274,7 +274,7 @@ def convert(
         raise ValueError(
             f"{type(model).__name__} has no layer to convert: none of its modules is an instance of "
             f"{sorted(t.__name__ for t in table)}. Pass mapping={{**bayesify.default_mapping(), YourLayer: "
-            "YourRank1Layer}} to convert other layer types."
+            "YourRank1Layer} to convert other layer types."
         )
 
     # convert after the walk (never mutate the tree while iterating it)
