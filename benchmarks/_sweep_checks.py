@@ -25,9 +25,9 @@ whose original forward fails at every size is skipped (not bayesify's failure).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import gc
 import hashlib
-import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -110,13 +110,21 @@ def list_specs(source: str | None = None) -> list[str]:
 def family(spec: str) -> str:
     """The model's family: the module file that defines it (``timm/resnet``, ``torchvision/resnet``)."""
     source, name = spec.split("/", 1)
-    if source == "timm":
-        import timm.models._registry as registry
+    try:
+        if source == "timm":
+            return f"timm/{_timm_modules()[name]}"
+        import torchvision
 
-        return f"timm/{registry._model_to_module[name]}"
-    import torchvision
+        return f"torchvision/{torchvision.models.get_model_builder(name).__module__.rsplit('.', 1)[-1]}"
+    except (KeyError, ValueError, ImportError):
+        return f"{source}/?"
 
-    return f"torchvision/{torchvision.models.get_model_builder(name).__module__.rsplit('.', 1)[-1]}"
+
+@functools.lru_cache(maxsize=None)
+def _timm_modules() -> dict[str, str]:
+    import timm
+
+    return {name: module for module in timm.list_modules() for name in timm.list_models(module=module)}
 
 
 def stable_hash(text: str) -> int:
@@ -519,18 +527,10 @@ def _key_diff(before: list[str], after: list[str]) -> str:
     return f"state_dict keys changed: lost {lost[:5]}, new {new[:5]}"
 
 
-def nan_safe_median(values: list[float]) -> float:
-    values = sorted(v for v in values if math.isfinite(v))
-    if not values:
-        return float("nan")
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 def timed_check(spec: str, **kwargs: Any) -> dict[str, Any]:
     """:func:`check` as a results-file record: status pass/fail/skip, reason, params, seconds."""
     start = time.perf_counter()
-    record: dict[str, Any] = {"model": spec, "family": _safe_family(spec), "components": kwargs.get("components", 2)}
+    record: dict[str, Any] = {"model": spec, "family": family(spec), "components": kwargs.get("components", 2)}
     try:
         res = check(spec, **kwargs)
     except CheckSkip as exc:
@@ -557,10 +557,3 @@ def timed_check(spec: str, **kwargs: Any) -> dict[str, Any]:
         )
     record["seconds"] = round(time.perf_counter() - start, 2)
     return record
-
-
-def _safe_family(spec: str) -> str:
-    try:
-        return family(spec)
-    except Exception:
-        return spec.split("/", 1)[0] + "/?"

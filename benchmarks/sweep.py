@@ -29,6 +29,7 @@ import os
 import queue
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -152,7 +153,7 @@ def run_shard(shard: list[str], args: argparse.Namespace, emit, log) -> list[str
 def _record(spec: str, status: str, check: str, reason: str, started: float) -> dict:
     return {
         "model": spec,
-        "family": checks._safe_family(spec),
+        "family": checks.family(spec),
         "status": status,
         "check": check,
         "components": None,
@@ -229,7 +230,7 @@ def _reason_key(record: dict) -> str:
     reason = re.sub(r"\[[a-z]+\] ", "", reason)
     reason = re.sub(r"[-+]?\d[\d.e+-]*", "N", reason)  # numbers vary, the kind of failure does not
     reason = re.sub(r"'[^']*'", "'…'", reason)
-    return f"{record.get('check')}: {reason[:110]}"
+    return f"{record.get('check') or record['status']}: {reason[:110]}"
 
 
 def resnet50_counts(components: int = 4) -> dict[str, tuple[int, int]]:
@@ -282,10 +283,10 @@ def summarize(path: Path, with_resnet: bool = True) -> None:
         rs = [r["overhead_pct"] for r in passed if r["model"].startswith(source)]
         if rs:
             ks = sorted({r.get("components") for r in passed})
-            print(f"median parameter overhead ({source or 'all'}, K={ks}): {checks.nan_safe_median(rs):.2f}% over {len(rs)} models")
+            print(f"median parameter overhead ({source or 'all'}, K={ks}): {statistics.median(rs):.2f}% over {len(rs)} models")
     seconds = [r["seconds"] for r in records]
     if seconds:
-        print(f"time: {sum(seconds) / 3600:.2f} h in models, median {checks.nan_safe_median(seconds):.1f} s, max {max(seconds):.0f} s")
+        print(f"time: {sum(seconds) / 3600:.2f} h in models, median {statistics.median(seconds):.1f} s, max {max(seconds):.0f} s")
     if with_resnet:
         for label, (before, after) in resnet50_counts(4).items():
             print(f"ResNet-50 ({label}) K=4: {before:,} -> {after:,} parameters ({before / 1e6:.1f}M -> {after / 1e6:.1f}M; paper 25.6M -> 26.0M)")
