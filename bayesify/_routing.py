@@ -161,10 +161,7 @@ class Rank1Context:
             return output
         reduction = spec.reduction or self.reduction
         leaves, tree = tree_flatten(output, is_leaf=_is_packed)
-        if hasattr(module, "_rank1_output_axes"):
-            axes = module._rank1_output_axes(output)
-        else:
-            axes = [0 if axis is None else axis] * len(leaves)
+        axes = _output_axes(module, output, len(leaves), axis)
 
         def reduce(t: object, dim: int | None) -> object:
             if isinstance(t, PackedSequence):
@@ -179,6 +176,13 @@ class Rank1Context:
             return _reduce(members, reduction).movedim(0, dim)
 
         return tree_unflatten([reduce(t, d) for t, d in zip(leaves, axes)], tree)
+
+
+def _output_axes(root: nn.Module, output: object, count: int, axis: int | None) -> list[int | None]:
+    """The batch axis of each output leaf: the root layer's own statement, else the input's axis."""
+    if hasattr(root, "_rank1_output_axes"):
+        return root._rank1_output_axes(output)
+    return [0 if axis is None else axis] * count
 
 
 def _is_packed(value: object) -> bool:
@@ -306,10 +310,7 @@ def split_members(root: nn.Module, output: object) -> object:
     context: Rank1Context = root._rank1_context
     batch, axis = context.batch_size, context.axis
     leaves, tree = tree_flatten(output, is_leaf=_is_packed)
-    if hasattr(root, "_rank1_output_axes"):
-        axes = root._rank1_output_axes(output)
-    else:
-        axes = [0 if axis is None else axis] * len(leaves)
+    axes = _output_axes(root, output, len(leaves), axis)
 
     def split(t: object, dim: int | None) -> object:
         if dim is None or not isinstance(t, Tensor) or t.dim() <= dim:
