@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import json
 
-from bayesify.data import DataBundle, InMemoryDataset, load_data
+from bayesify.data import DataBundle
 from bayesify.training import TrainConfig, Trainer, build_model
 
 TIMING = {"examples_per_s", "seconds", "time"}
-
-
-def _small_digits() -> DataBundle:
-    full = load_data("digits")
-    train, test = full.train, full.test
-    return DataBundle(
-        "digits", InMemoryDataset(train.inputs[:256], train.labels[:256]), InMemoryDataset(test.inputs[:64], test.labels[:64]),
-        10, (1, 8, 8), full.kind, full.mean, full.std,
-    )  # fmt: skip
 
 
 def _metrics(tmp_path, name: str, seed: int, data: DataBundle) -> list[dict]:
@@ -27,8 +18,8 @@ def _metrics(tmp_path, name: str, seed: int, data: DataBundle) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in lines]
 
 
-def test_same_seed_same_metrics_other_seed_other_metrics(tmp_path) -> None:
-    data = _small_digits()
+def test_same_seed_same_metrics_other_seed_other_metrics(tmp_path, digits: DataBundle) -> None:
+    data = digits
     first = _metrics(tmp_path, "a", 7, data)
     second = _metrics(tmp_path, "b", 7, data)
     assert len(first) > 4

@@ -5,18 +5,8 @@ import json
 import pytest
 import torch
 
-from bayesify.data import DataBundle, InMemoryDataset, load_data
+from bayesify.data import DataBundle
 from bayesify.training import TrainConfig, Trainer, build_model, load_checkpoint
-
-
-@pytest.fixture(scope="module")
-def digits() -> DataBundle:
-    full = load_data("digits")
-    train, test = full.train, full.test
-    return DataBundle(
-        "digits", InMemoryDataset(train.inputs[:320], train.labels[:320]), InMemoryDataset(test.inputs[:100], test.labels[:100]),
-        10, (1, 8, 8), full.kind, full.mean, full.std,
-    )  # fmt: skip
 
 
 def _config(tmp_path, name="run", **overrides) -> TrainConfig:
