@@ -6,10 +6,18 @@ Trains a small CNN twice from the same initialisation with bayesify's trainer, o
 once converted with ``bayesify.convert``, and prints test NLL / accuracy / ECE of both (the
 rank-1 net evaluated as the mixture of K components x M samples, as in the paper).
 
-The rank-1 net follows the paper's recipe: the tiled batch (every example through all K
-components, labels tiled to match), KL of the rank-1 factors divided by the number of training
-examples and annealed linearly over the first 2/3 of training, a Normal(1, 0.1) prior, the
-same L2 prior on the point-estimated weights as the deterministic net, and K=4 components.
+The rank-1 net follows the paper's recipe: K=4 components, the tiled batch (every example
+through all K components, labels tiled to match), the average per-component NLL, the KL of the
+rank-1 factors divided by the number of training examples and annealed linearly over the first
+2/3 of training, a Normal(1, 0.05) prior (the paper's ImageNet value), posterior means started
+at Normal(1, 0.1) (the reference's ``random_sign_init < 0`` mode: random signs cost 2 / 0.05^2
+nats of KL each, far more than 1257 examples of likelihood), the same L2 prior on the
+point-estimated weights as the deterministic net, and 4 samples per component at evaluation.
+
+Measured on 1 thread (about 30 s in all), seeds 0-4: the rank-1 net has the lower test ECE on
+all five seeds and the lower NLL on four (mean NLL 0.0388 vs 0.0423, ECE 0.0077 vs 0.0088,
+accuracy 0.9855 vs 0.9841); on seed 1 the NLLs tie (0.0410 vs 0.0408). With 540 test
+digits these are small differences.
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     deterministic = make_net()
     rank1 = copy.deepcopy(deterministic)  # same starting weights for both
-    bayesify.convert(rank1, components=args.components, init="normal", init_mean_std=0.1, prior_std=0.1)
+    bayesify.convert(rank1, components=args.components, init="normal", init_mean_std=0.1, prior_std=0.05)
     print(bayesify.summary(rank1, bundle.test.inputs[:2]))
     print()
 
