@@ -10,7 +10,7 @@ References:
 from bayesify.config import Rank1Config
 from bayesify.convert import convert, default_mapping, revert
 from bayesify.mode import mode, predict
-from bayesify.modules import is_converted, kl_divergence, rank1_layers, rank1_parameters
+from bayesify.modules import is_converted, kl_divergence, num_components, rank1_layers, rank1_parameters
 from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction, Route
 from bayesify.summary import Summary, summary
 from bayesify.wrappers import Rank1Factor, Rank1Layer
@@ -33,6 +33,7 @@ __all__ = [
     "is_converted",
     "kl_divergence",
     "mode",
+    "num_components",
     "predict",
     "rank1_layers",
     "rank1_parameters",

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from bayesify.wrappers.base import Rank1Layer
 
-__all__ = ["rank1_layers", "rank1_parameters", "kl_divergence", "is_converted"]
+__all__ = ["rank1_layers", "rank1_parameters", "kl_divergence", "is_converted", "num_components"]
 
 
 def rank1_layers(model: nn.Module) -> Iterator[tuple[str, Rank1Layer]]:
@@ -32,6 +32,16 @@ def rank1_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
 def is_converted(model: nn.Module) -> bool:
     """Whether ``model`` holds at least one rank-1 layer."""
     return next(rank1_layers(model), None) is not None
+
+
+def num_components(model: nn.Module) -> int:
+    """K, the number of mixture components of a converted model; 1 for a model with no rank-1 layers.
+
+    Works on wrappers such as DDP and on any part of a converted model, so evaluation code can
+    size its member axis (``[K * samples, ...]`` from :func:`bayesify.predict`) for any model.
+    """
+    first = next(rank1_layers(model), None)
+    return 1 if first is None else first[1].rank1_config.components
 
 
 def kl_divergence(model: nn.Module) -> Tensor:

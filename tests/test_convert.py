@@ -237,3 +237,10 @@ def test_parametrized_and_pruned_layers(wrap, make, shape) -> None:
     layer.train()
     layer(x).sum().backward()
     assert layer.rank1_s.loc.grad is not None
+
+
+def test_num_components_of_a_model_its_parts_and_a_plain_model():
+    net = bayesify.convert(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.LSTM(4, 2)), components=3)
+    assert bayesify.num_components(net) == 3
+    assert bayesify.num_components(net[2]) == 3  # a part of a converted model
+    assert bayesify.num_components(nn.Linear(2, 2)) == 1  # deterministic: one member

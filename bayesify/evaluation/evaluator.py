@@ -20,19 +20,11 @@ from torch.utils.data import DataLoader, Dataset
 from bayesify.evaluation.corruptions import SEVERITIES, corrupt_images, corruption_seed, parse_corruptions
 from bayesify.evaluation.metrics import compute_metrics, member_log_probs_from_logits
 from bayesify.mode import predict
-from bayesify.modules import is_converted
+from bayesify.modules import is_converted, num_components
 
 __all__ = ["evaluate", "evaluate_corruptions", "predict_members"]
 
 Transform = Callable[[Tensor], Tensor]
-
-
-def _components(model: nn.Module) -> int:
-    if not is_converted(model):
-        return 1
-    from bayesify._routing import find_context
-
-    return find_context(model).components
 
 
 @torch.no_grad()
@@ -97,7 +89,7 @@ def evaluate(
         generator state: evaluation runs inside ``torch.random.fork_rng``.
     """
     device = torch.device(device)
-    k = _components(model)
+    k = num_components(model)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)  # the same noise draws on every evaluation of the same weights
         log_probs, labels = predict_members(
@@ -142,7 +134,7 @@ def evaluate_corruptions(
 
     names = parse_corruptions(corruptions)
     device = torch.device(device)
-    k = _components(model)
+    k = num_components(model)
     loader = _loader(data, batch_size)
     results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in names}
     jobs = [(name, severity) for name in names for severity in severities]

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.modules import is_converted, kl_divergence, rank1_layers, rank1_parameters
+from bayesify.modules import is_converted, kl_divergence, num_components, rank1_layers, rank1_parameters
 
 __all__ = [
     "Likelihood",
@@ -75,15 +75,6 @@ def unwrap(model: nn.Module) -> nn.Module:
         if inner is None:
             return model
         model = inner
-
-
-def num_components(model: nn.Module) -> int:
-    """K of a converted model, 1 for a plain one."""
-    if not is_converted(model):
-        return 1
-    from bayesify._routing import find_context
-
-    return find_context(model).components
 
 
 def kl_scale(step: int, annealing_steps: int) -> float:
