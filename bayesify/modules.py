@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bayesify.priors import kl
 from bayesify.wrappers.base import Rank1Layer
+from bayesify.wrappers.factor import _MIN_SCALE, Rank1Factor
 
 __all__ = ["rank1_layers", "rank1_parameters", "kl_divergence", "is_converted", "num_components"]
 
@@ -50,13 +53,37 @@ def kl_divergence(model: nn.Module) -> Tensor:
     Divide by the number of training examples to get the per-example ELBO term:
     ``loss = nll + bayesify.kl_divergence(model) / len(train_set)``.
 
+    Factors that share a posterior, prior, dtype and device are concatenated and their KL taken
+    in one pass: a handful of kernels for the whole model instead of a dozen per factor (on a GPU
+    the per-factor launches cost more than a ResNet-50's whole training step adds otherwise).
+
     References:
         Dusenberry et al., ICML 2020, Eq. 3 (the reference sums over the K components).
     """
-    terms = [layer.kl_divergence() for _, layer in rank1_layers(model)]
-    if not terms:
+    groups: dict[tuple, list[Rank1Factor]] = {}
+    terms: list[Tensor] = []
+    found = False
+    for _, layer in rank1_layers(model):
+        found = True
+        if type(layer).kl_divergence is not Rank1Layer.kl_divergence:  # a layer with its own KL (embeddings)
+            terms.append(layer.kl_divergence())
+            continue
+        for _, factor in layer.rank1_factors():
+            cfg = factor.config
+            if factor.rho is None:  # a delta posterior: no KL
+                continue
+            key = (cfg.posterior, cfg.prior, cfg.prior_mean, cfg.prior_std, factor.loc.dtype, factor.loc.device)
+            groups.setdefault(key, []).append(factor)
+    if not found:
         raise ValueError(
             f"{type(model).__name__} has no rank-1 layers, so it has no KL term; call bayesify.convert(model) first."
         )
+    for (posterior, prior, prior_mean, prior_std, _, _), factors in groups.items():
+        loc = torch.cat([f.loc.reshape(-1) for f in factors])
+        scale = F.softplus(torch.cat([f.rho.reshape(-1) for f in factors])) + _MIN_SCALE
+        terms.append(kl.kl_divergence(posterior, loc, scale, prior, prior_mean, prior_std))
+    if not terms:  # only delta posteriors (BatchEnsemble)
+        first = next((p for _, layer in rank1_layers(model) for p in layer.rank1_parameters()), None)
+        return torch.zeros(()) if first is None else first.new_zeros(())
     device = terms[0].device
     return torch.stack([t.to(device) for t in terms]).sum()

@@ -29,9 +29,12 @@ from bayesify.options import Posterior, Prior
 __all__ = ["kl_normal_normal", "kl_cauchy_cauchy", "kl_normal_cauchy", "kl_divergence", "check_pair"]
 
 
+# Prior parameters stay Python floats where given so: a float is folded into the kernel, while
+# a tensor made from it on a GPU costs a host-to-device copy that synchronises the stream.
+
+
 def kl_normal_normal(loc_q: Tensor, scale_q: Tensor, loc_p: float | Tensor, scale_p: float | Tensor) -> Tensor:
     """KL(N(loc_q, scale_q) || N(loc_p, scale_p)), elementwise."""
-    scale_p = torch.as_tensor(scale_p, dtype=scale_q.dtype, device=scale_q.device)
     ratio = scale_q / scale_p
     diff = (loc_q - loc_p) / scale_p
     return 0.5 * (ratio * ratio + diff * diff - 1.0) - torch.log(ratio)
@@ -42,27 +45,40 @@ def kl_cauchy_cauchy(loc_q: Tensor, scale_q: Tensor, loc_p: float | Tensor, scal
 
     Written as ``log((s1+s2)^2 + d^2) - log(4 s1 s2)`` so that extreme values stay finite.
     """
-    scale_p = torch.as_tensor(scale_p, dtype=scale_q.dtype, device=scale_q.device)
     diff = loc_q - loc_p
     return torch.log((scale_q + scale_p) ** 2 + diff * diff) - torch.log(4.0 * scale_q * scale_p)
 
 
 @functools.lru_cache(maxsize=None)
-def _hermgauss(n: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.polynomial.hermite.hermgauss(n)
+def _hermgauss_numpy(n: int) -> tuple[np.ndarray, np.ndarray]:
+    nodes, weights = np.polynomial.hermite.hermgauss(n)
+    return nodes, weights / math.sqrt(math.pi)
+
+
+_hermgauss_cache: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def _hermgauss(n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Nodes and weights (divided by sqrt(pi)) on ``device``, copied there once."""
+    key = (n, dtype, device)
+    if key not in _hermgauss_cache:
+        nodes, weights = _hermgauss_numpy(n)
+        _hermgauss_cache[key] = (
+            torch.as_tensor(nodes, dtype=dtype, device=device),
+            torch.as_tensor(weights, dtype=dtype, device=device),
+        )
+    return _hermgauss_cache[key]
 
 
 def kl_normal_cauchy(
     loc_q: Tensor, scale_q: Tensor, loc_p: float | Tensor, scale_p: float | Tensor, points: int = 64
 ) -> Tensor:
     """KL(N(loc_q, scale_q) || Cauchy(loc_p, scale_p)), elementwise, by Gauss-Hermite quadrature."""
-    nodes, weights = _hermgauss(points)
-    nodes = torch.as_tensor(nodes, dtype=loc_q.dtype, device=loc_q.device)
-    weights = torch.as_tensor(weights / math.sqrt(math.pi), dtype=loc_q.dtype, device=loc_q.device)
-    scale_p = torch.as_tensor(scale_p, dtype=scale_q.dtype, device=scale_q.device)
+    nodes, weights = _hermgauss(points, loc_q.dtype, loc_q.device)
     x = loc_q.unsqueeze(-1) + math.sqrt(2.0) * scale_q.unsqueeze(-1) * nodes  # [..., points]
     z = (x - loc_p) / scale_p
-    expected_log_p = -(torch.log1p(z * z) * weights).sum(-1) - torch.log(math.pi * scale_p)
+    log_norm = torch.log(math.pi * scale_p) if isinstance(scale_p, Tensor) else math.log(math.pi * scale_p)
+    expected_log_p = -(torch.log1p(z * z) * weights).sum(-1) - log_norm
     entropy_q = 0.5 * math.log(2 * math.pi * math.e) + torch.log(scale_q)
     return -entropy_q - expected_log_p
 

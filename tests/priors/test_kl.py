@@ -6,6 +6,9 @@ import math
 
 import pytest
 import torch
+from torch import nn
+
+import bayesify
 
 from bayesify.options import Posterior, Prior
 from bayesify.priors import kl_cauchy_cauchy, kl_divergence, kl_normal_cauchy, kl_normal_normal, log_prob
@@ -65,3 +68,23 @@ def test_extreme_parameters_stay_finite_with_finite_gradients() -> None:
 def test_cauchy_posterior_with_normal_prior_is_refused() -> None:
     with pytest.raises(ValueError, match="prior='cauchy'"):
         kl_divergence(Posterior.CAUCHY, torch.zeros(1), torch.ones(1), Prior.NORMAL, 1.0, 0.1)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"prior": "cauchy"}, {"posterior": "cauchy", "prior": "cauchy"}, {"posterior": "delta"}, {"embeddings": True}],
+)
+def test_model_kl_is_the_sum_of_its_layers_kl(options) -> None:
+    # bayesify.kl_divergence(model) concatenates factors that share a prior; the total is unchanged
+    model = nn.Sequential(nn.Embedding(7, 6), nn.Linear(6, 5), nn.LSTM(5, 4), nn.Conv1d(4, 3, 2))
+    bayesify.convert(model, components=3, exclude="1", **options)
+    bayesify.convert(model, components=3, include="1", prior_std=0.3, prior_mean=0.5)  # a second prior
+    with torch.no_grad():
+        for p in bayesify.rank1_parameters(model):
+            p.add_(0.3 * torch.randn_like(p))
+    per_layer = torch.stack([layer.kl_divergence() for _, layer in bayesify.rank1_layers(model)]).sum()
+    total = bayesify.kl_divergence(model)
+    torch.testing.assert_close(total, per_layer, rtol=1e-5, atol=1e-6)
+    assert total > 0  # layer "1" has a Normal posterior whatever the others have
+    total.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if ".rho" in n or "rank1_std" in n)
