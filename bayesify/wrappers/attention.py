@@ -52,6 +52,17 @@ def _canonical(mask: Tensor | None, name: str, other: Tensor | None, dtype: torc
     return mask
 
 
+def _disable_fused_fast_path(module: nn.Module, args: tuple) -> None:
+    """A no-op forward pre-hook: its presence alone turns torch's fused fast path off.
+
+    ``nn.TransformerEncoderLayer`` skips ``torch._transformer_encoder_layer_fwd`` when any of its
+    submodules has a forward hook. Inside the converted model's forward, the intercepted weights
+    already rule the fused kernel out; this covers an encoder layer called on its own (feature
+    extraction from a submodule), which would otherwise silently run the deterministic weights.
+    """
+    return None
+
+
 class Rank1MultiheadAttention(Rank1Layer):
     """Rank-1 ``nn.MultiheadAttention``: q, k, v and out projections each ``((x o s) W^T) o r + b_k``.
 
@@ -69,6 +80,8 @@ class Rank1MultiheadAttention(Rank1Layer):
     _rank1_intercepted = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
 
     def _rank1_setup(self, config: Rank1Config) -> None:
+        if _disable_fused_fast_path not in self._forward_pre_hooks.values():
+            self.register_forward_pre_hook(_disable_fused_fast_path)
         e = self.embed_dim
         for name, fan_in in (("q", e), ("k", self.kdim), ("v", self.vdim), ("out", e)):
             setattr(self, f"rank1_s_{name}", self._rank1_new_factor(fan_in, config))
@@ -85,6 +98,11 @@ class Rank1MultiheadAttention(Rank1Layer):
             self.rank1_bias_out = nn.Parameter(torch.zeros(config.components, e, **kwargs))
         else:
             self.register_parameter("rank1_bias_out", None)
+
+    def revert(self) -> nn.Module:
+        for key in [k for k, hook in self._forward_pre_hooks.items() if hook is _disable_fused_fast_path]:
+            del self._forward_pre_hooks[key]
+        return super().revert()
 
     # ---- a MultiheadAttention used as the model: where the batch lies (see _routing.py) --------
 

@@ -196,6 +196,21 @@ def test_encoder_layer_in_eval_no_grad_is_rank1(no_fast_path: None, norm_first: 
         assert model(x, src_key_padding_mask=mask).shape == x.shape
 
 
+def test_encoder_layer_called_on_its_own_is_rank1(no_fast_path: None) -> None:
+    """A converted encoder layer used outside the converted root's forward (no routing is live)."""
+    model = nn.Sequential(nn.TransformerEncoderLayer(E, HEADS, dim_feedforward=16, batch_first=True), nn.Linear(E, 3))
+    model = bayesify.convert(model.to(DT), components=K)
+    _randomise(model)
+    model.eval()
+    x = torch.randn(B, L, E, dtype=DT)
+    with torch.no_grad():
+        out = model[0](x)  # would raise in the refused fused kernel without the pre-hook
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    layer = model[0].self_attn
+    bayesify.revert(model)
+    assert type(layer) is nn.MultiheadAttention and not layer._forward_pre_hooks
+
+
 class _fastpath_off:
     def __enter__(self) -> None:
         self.before = torch.backends.mha.get_fastpath_enabled()
