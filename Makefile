@@ -34,6 +34,7 @@ sweep: install
 	$(PY) benchmarks/sweep.py --all
 
 bench: install
+	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/overhead.py
 
 $(XLA_VENV)/.installed: pyproject.toml
