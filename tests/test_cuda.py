@@ -160,8 +160,8 @@ def test_compile_matches_eager_forward_and_backward():
     # gradients: compiled ones as close to a float64 eager reference as eager float32 ones are.
     # BatchNorm in eval mode: in training mode it cancels any per-channel scale of its input, so
     # the true gradient of r before it is ~0 and only rounding noise is left to compare.
-    # Inductor's mix-order reduction fusion asserts ("1024 v.s. 64") on this backward in torch
-    # 2.11-2.14 on CUDA (an inductor bug, see README): turned off here as the README advises.
+    # Inductor's mix-order reduction fusion asserts ("1024 v.s. 64") on this backward on CUDA
+    # (an inductor bug, seen with torch 2.11; see README): turned off here as the README advises.
     reference = copy.deepcopy(model).double()
     grads = []
     runs = ((reference, reference, torch.float64), (model, model, torch.float32), (model, compiled, torch.float32))
