@@ -2,6 +2,7 @@
 
     make bench            # or: python benchmarks/overhead.py [--model resnet18] [--batch 32] [--size 32]
     python benchmarks/overhead.py --device cuda --model resnet50 --batch 128 --size 224 [--amp bf16] [--compile]
+    python benchmarks/overhead.py --rows sample,delta      # only these rows besides the deterministic one
 
 Measures, in one run on the same machine, for one SGD training step (forward + backward +
 step) of a torchvision / timm model (CIFAR size by default):
@@ -105,9 +106,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--amp", choices=["bf16", "fp16"], help="autocast the forward to this dtype")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
-    parser.add_argument("--no-peer", action="store_true", help="leave out the bayesian-torch row")
     parser.add_argument(
-        "--rows", default="sample,tile,delta,peer", help="rows besides the deterministic one (compiling each takes a while)"
+        "--rows",
+        default="sample,tile,delta,peer",
+        help="comma list of rows besides the deterministic one (compiling each takes a while)",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -136,18 +138,16 @@ def main() -> None:
     if "delta" in wanted:
         be = bayesify.convert(copy.deepcopy(base), components=k, posterior="delta")
         rows.append((f"BatchEnsemble K={k} (delta)", be, make_step(be, x, y, **options)))
-    try:
-        if args.no_peer or "peer" not in wanted:
-            raise ImportError
-        from bayesian_torch.models.dnn_to_bnn import dnn_to_bnn, get_kl_loss
-
-        peer = copy.deepcopy(base)
-        dnn_to_bnn(peer, {"prior_mu": 0.0, "prior_sigma": 1.0, "posterior_mu_init": 0.0, "posterior_rho_init": -3.0,
-                          "type": "Reparameterization", "moped_enable": False})  # fmt: skip
-        rows.append(("bayesian-torch mean-field", peer, make_step(peer, x, y, kl=get_kl_loss, **options)))
-    except ImportError:
-        if not args.no_peer and "peer" in wanted:
-            print("(bayesian-torch not installed: peer row skipped; pip install bayesian-torch)")
+    if "peer" in wanted:
+        try:
+            from bayesian_torch.models.dnn_to_bnn import dnn_to_bnn, get_kl_loss
+        except ImportError:
+            print("(bayesian-torch not installed: peer row skipped; pip install -e '.[bench]')")
+        else:
+            peer = copy.deepcopy(base)
+            dnn_to_bnn(peer, {"prior_mu": 0.0, "prior_sigma": 1.0, "posterior_mu_init": 0.0, "posterior_rho_init": -3.0,
+                              "type": "Reparameterization", "moped_enable": False})  # fmt: skip
+            rows.append(("bayesian-torch mean-field", peer, make_step(peer, x, y, kl=get_kl_loss, **options)))
 
     params0 = sum(p.numel() for p in base.parameters())
     results = []
