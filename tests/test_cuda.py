@@ -16,9 +16,9 @@ from torch import nn
 import bayesify
 from bayesify import cli
 
-CUDA = torch.device(os.environ.get("BAYESIFY_TEST_DEVICE", "cuda"))
+DEVICE = torch.device(os.environ.get("BAYESIFY_TEST_DEVICE", "cuda"))
 
-pytestmark = pytest.mark.skipif(CUDA.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(autouse=True)
@@ -69,21 +69,21 @@ def test_identity_at_init_and_agreement_with_cpu(name):
     x = torch.randn(3, *shape)
     with torch.no_grad():
         ref_cpu = model(x)
-        model.to(CUDA)
-        ref = model(x.to(CUDA))
+        model.to(DEVICE)
+        ref = model(x.to(DEVICE))
     bayesify.convert(model, components=4)
-    assert all(p.device.type == CUDA.type for p in bayesify.rank1_parameters(model))
+    assert all(p.device.type == DEVICE.type for p in bayesify.rank1_parameters(model))
     with torch.no_grad(), bayesify.mode(model, route="tile", noise=False):
-        members = model(x.to(CUDA)).reshape(4, *ref.shape)
+        members = model(x.to(DEVICE)).reshape(4, *ref.shape)
     for k in range(4):
         assert _relative(members[k], ref) < 1e-4, f"component {k}"
     assert _relative(ref.cpu(), ref_cpu) < 1e-4
     # default evaluation: the mixture predictive, original shape, on the device
     with torch.no_grad():
-        mixed = model(x.to(CUDA))
-    assert mixed.shape == ref.shape and mixed.device.type == CUDA.type and torch.isfinite(mixed).all()
-    stacked = bayesify.predict(model, x.to(CUDA), samples=2)
-    assert stacked.shape == (8, *ref.shape) and stacked.device.type == CUDA.type
+        mixed = model(x.to(DEVICE))
+    assert mixed.shape == ref.shape and mixed.device.type == DEVICE.type and torch.isfinite(mixed).all()
+    stacked = bayesify.predict(model, x.to(DEVICE), samples=2)
+    assert stacked.shape == (8, *ref.shape) and stacked.device.type == DEVICE.type
 
 
 @pytest.mark.parametrize("name", list(_models()))
@@ -91,18 +91,18 @@ def test_identity_at_init_and_agreement_with_cpu(name):
 def test_training_step(name, precision):
     factory, shape = _models()[name]
     torch.manual_seed(0)
-    model = bayesify.convert(factory(), components=4).to(CUDA).train()
+    model = bayesify.convert(factory(), components=4).to(DEVICE).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     # fp16: GradScaler starts at 2**16 and halves it (skipping the step) while the scaled gradients
     # overflow, as it does for any fp16 model; the check is that it settles and real steps happen
-    scaler = torch.amp.GradScaler(CUDA.type, enabled=precision == "fp16")
+    scaler = torch.amp.GradScaler(DEVICE.type, enabled=precision == "fp16")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    x, y = torch.randn(8, *shape, device=CUDA), torch.randint(10 if shape[0] == 3 else 5, (8,), device=CUDA)
+    x, y = torch.randn(8, *shape, device=DEVICE), torch.randint(10 if shape[0] == 3 else 5, (8,), device=DEVICE)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     taken = 0
     for _ in range(30):
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(CUDA.type, dtype=dtype, enabled=precision != "fp32"):
+        with torch.autocast(DEVICE.type, dtype=dtype, enabled=precision != "fp32"):
             logits = model(x)
             loss = F.cross_entropy(logits.float(), y) + bayesify.kl_divergence(model) / 1000
         assert torch.isfinite(loss)
@@ -133,9 +133,9 @@ def test_compile_training_step_runs():
     import torchvision
 
     torch.manual_seed(0)
-    model = bayesify.convert(torchvision.models.resnet18(num_classes=10), components=4).to(CUDA).train()
+    model = bayesify.convert(torchvision.models.resnet18(num_classes=10), components=4).to(DEVICE).train()
     compiled = torch.compile(model)
-    x, y = torch.randn(8, 3, 64, 64, device=CUDA), torch.randint(10, (8,), device=CUDA)
+    x, y = torch.randn(8, 3, 64, 64, device=DEVICE), torch.randint(10, (8,), device=DEVICE)
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(compiled(x), y) + bayesify.kl_divergence(model) / 1000
@@ -149,8 +149,8 @@ def test_compile_matches_eager_forward_and_backward():
     import torchvision
 
     torch.manual_seed(0)
-    model = bayesify.convert(torchvision.models.resnet18(num_classes=10), components=4).to(CUDA)
-    x = torch.randn(4, 3, 64, 64, device=CUDA)
+    model = bayesify.convert(torchvision.models.resnet18(num_classes=10), components=4).to(DEVICE)
+    x = torch.randn(4, 3, 64, 64, device=DEVICE)
     compiled = torch.compile(model)
     model.eval()
     with torch.no_grad(), bayesify.mode(model, route="tile", noise=False):
@@ -181,7 +181,7 @@ def test_compile_matches_eager_forward_and_backward():
 def test_cpu_checkpoint_round_trip_from_cuda(tmp_path):
     import torchvision
 
-    model = bayesify.convert(torchvision.models.resnet18(num_classes=10), components=4).to(CUDA)
+    model = bayesify.convert(torchvision.models.resnet18(num_classes=10), components=4).to(DEVICE)
     torch.save(model.state_dict(), tmp_path / "m.pt")
     cpu = bayesify.convert(torchvision.models.resnet18(num_classes=10), components=4)
     cpu.load_state_dict(torch.load(tmp_path / "m.pt", map_location="cpu"))
@@ -192,7 +192,7 @@ def test_cpu_checkpoint_round_trip_from_cuda(tmp_path):
 @pytest.mark.parametrize("precision", ["32", "bf16", "fp16"])
 def test_trainer_on_cuda(tmp_path, precision, capsys):
     out = tmp_path / "run"
-    args = ["train", "--model", "cnn", "--data", "digits", "--epochs", "2", "--batch-size", "64", "--device", str(CUDA),
+    args = ["train", "--model", "cnn", "--data", "digits", "--epochs", "2", "--batch-size", "64", "--device", str(DEVICE),
             "--precision", precision, "--no-progress", "--out", str(out)]  # fmt: skip
     assert cli.main(args) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -208,5 +208,5 @@ def test_same_parameters_after_move():
     layer = nn.Linear(4, 3)
     weight = layer.weight
     model = bayesify.convert(nn.Sequential(layer), components=2)
-    model.to(CUDA)
-    assert model[0].weight is weight and weight.device.type == CUDA.type  # Module.to keeps Parameter objects
+    model.to(DEVICE)
+    assert model[0].weight is weight and weight.device.type == DEVICE.type  # Module.to keeps Parameter objects
