@@ -9,15 +9,18 @@ References:
 
 from bayesify.config import Rank1Config
 from bayesify.convert import convert, default_mapping, revert
+from bayesify.inspection import is_converted, num_components, rank1_layers, rank1_parameters
+from bayesify.kl import kl_divergence
+from bayesify.layers import ConvertedLayer, Rank1Layer
 from bayesify.mode import mode, predict
-from bayesify.modules import is_converted, kl_divergence, num_components, rank1_layers, rank1_parameters
 from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction, Route
 from bayesify.summary import Summary, summary
-from bayesify.wrappers import Rank1Factor, Rank1Layer
+from bayesify.variational import Rank1Factor
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "ConvertedLayer",
     "Init",
     "Perturbation",
     "Posterior",
@@ -40,3 +43,12 @@ __all__ = [
     "revert",
     "summary",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # deprecated sub-packages of earlier releases, resolved on first use (each warns once)
+    import importlib
+
+    if name in ("wrappers", "priors", "modules", "data", "models"):
+        return importlib.import_module(f"bayesify.{name}")
+    raise AttributeError(f"module 'bayesify' has no attribute {name!r}")

@@ -102,13 +102,12 @@ class WeightUses(TorchFunctionMode):
 
 def watched_parameters(model: nn.Module, converted: dict[str, nn.Module]) -> dict[int, tuple[str, str]]:
     """2-d+ parameters of modules that are neither converted nor inside a converted layer."""
+    from bayesify.inspection import inside
+
     own = {id(p) for layer in converted.values() for p in layer.parameters()}
-    prefixes = [n for n in converted if n]
     watched: dict[int, tuple[str, str]] = {}
-    if "" in converted:
-        return watched
     for name, module in model.named_modules():
-        if name in converted or any(name.startswith(p + ".") for p in prefixes):
+        if name in converted or inside(name, converted):
             continue
         for pname, p in module.named_parameters(recurse=False):
             if p.dim() >= 2 and id(p) not in own:

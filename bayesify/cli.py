@@ -222,7 +222,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _run_training(config: Any, download: bool) -> dict[str, Any]:
-    from bayesify.data import load_data
+    from bayesify.zoo.data import load_data
     from bayesify.training import Trainer, build_model
 
     bundle = load_data(config.data, config.data_dir, download=download, seed=0)
@@ -250,7 +250,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     import torch
     from torch.utils.data import DataLoader, Subset
 
-    from bayesify.data import DataKind, load_data
+    from bayesify.zoo.data import DataKind, load_data
     from bayesify.evaluation import evaluate_corruptions
     from bayesify.evaluation.evaluator import predict_members
     from bayesify.evaluation.metrics import compute_metrics, mixture_log_probs

@@ -1,12 +1,23 @@
-"""The options of a rank-1 conversion, validated once, shared by every converted layer."""
+"""``Rank1Config``: the one list of conversion options, validated once, shared by every converted layer.
+
+Each option is declared here once, with its default and a one-line help. :func:`bayesify.convert`
+takes them as keyword arguments (its signature and docstring are generated from these fields),
+:class:`bayesify.training.TrainConfig` holds one ``Rank1Config``, and ``bayesify train`` has a flag
+for each (``--prior-std``, ``--init``, ...). Adding an option is one edit: a field here (and the
+code that uses it).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import typing
 from dataclasses import dataclass, replace
+from typing import Any
 
-from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction, parse_option
-from bayesify.priors.kl import check_pair
+from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction, StrOption, option
+from bayesify.variational.kl import check_pair
 
 __all__ = ["Rank1Config"]
 
@@ -19,25 +30,38 @@ def _positive(name: str, value: float, fix: str) -> float:
 
 @dataclass(frozen=True)
 class Rank1Config:
-    """Options of :func:`bayesify.convert`; see its docstring for what each one means."""
+    """Options of :func:`bayesify.convert`; each field's ``help`` says what it means.
 
-    components: int = 4
-    prior: Prior = Prior.NORMAL
-    prior_mean: float | None = None
-    prior_std: float = 0.1
-    posterior: Posterior = Posterior.NORMAL
-    perturbation: Perturbation = Perturbation.MULTIPLICATIVE
-    init: Init = Init.PRESERVE
-    init_sign_p: float = 0.5
-    init_mean_std: float = 0.1
-    init_dropout: float | None = None
-    init_std: float | None = None
-    init_jitter: float = 0.0
-    clip: float | None = 10.0
-    batch_dim: int = 0
-    reduction: Reduction = Reduction.LOGITS
-    embeddings: bool = False
-    embedding_prior_std: float = 1.0
+    Example:
+        >>> config = Rank1Config(components=4, prior_std=0.05)
+        >>> bayesify.convert(model, config)          # or bayesify.convert(model, components=4, prior_std=0.05)
+    """
+
+    components: int = option(4, "K, the number of mixture components (paper: 4)")
+    prior: Prior = option(Prior.NORMAL, "prior on each entry of r and s")
+    prior_mean: float | None = option(None, "prior location; default 1 (multiplicative) or 0 (additive)")
+    prior_std: float = option(0.1, "prior scale (paper: 0.1 CIFAR, 0.05 ImageNet)")
+    posterior: Posterior = option(Posterior.NORMAL, "variational family of each component ('delta': BatchEnsemble)")
+    perturbation: Perturbation = option(Perturbation.MULTIPLICATIVE, "how r and s act: W o (r s^T), or added")
+    init: Init = option(
+        Init.PRESERVE,
+        "posterior means: 'preserve' (the identity: keeps a pretrained network's function), 'random_sign' "
+        "(reference random_sign_init, from scratch), 'normal' (spread init_mean_std around the identity)",
+    )
+    init_sign_p: float = option(0.5, "init='random_sign': probability of a +1 mean (paper: 0.5 CIFAR, 0.75 ImageNet)")
+    init_mean_std: float = option(0.1, "init='normal': std of the means around the identity")
+    init_dropout: float | None = option(
+        None, "initial scale sqrt(p / (1 - p)) from a dropout rate p (default 1e-3 Normal, 1e-6 Cauchy, as the reference)"
+    )
+    init_std: float | None = option(None, "initial posterior scale directly (overrides init_dropout)")
+    init_jitter: float = option(0.0, "std of truncated-normal jitter on the raw scale (reference: 0.1)")
+    clip: float | None = option(10.0, "samples of r and s clipped to [-clip, clip] (reference: 10; None: off)")
+    batch_dim: int = option(0, "where the batch lies in the model's inputs (and Linear layers' inputs)")
+    reduction: Reduction = option(
+        Reduction.LOGITS, "evaluation's mixture reduction: 'logits' (log mean softmax), 'binary_logits', 'mean'"
+    )
+    embeddings: bool = option(False, "make nn.Embedding / EmbeddingBag Gaussian variational embeddings (paper: MIMIC)")
+    embedding_prior_std: float = option(1.0, "std of the Normal(0, std) prior of Gaussian embeddings")
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -46,11 +70,8 @@ class Rank1Config:
                 f"components={self.components!r} must be an integer >= 1 (the number of mixture components; "
                 "the paper uses 4)."
             )
-        set_(self, "prior", parse_option(self.prior, Prior, "prior"))
-        set_(self, "posterior", parse_option(self.posterior, Posterior, "posterior"))
-        set_(self, "perturbation", parse_option(self.perturbation, Perturbation, "perturbation"))
-        set_(self, "init", parse_option(self.init, Init, "init"))
-        set_(self, "reduction", parse_option(self.reduction, Reduction, "reduction"))
+        for name, kind in _enum_fields().items():
+            set_(self, name, kind.parse(getattr(self, name), name))
         check_pair(self.posterior, self.prior)
         set_(self, "prior_std", _positive("prior_std", self.prior_std, "the paper uses 0.1 (CIFAR) or 0.05 (ImageNet)"))
         if self.prior_mean is None:
@@ -95,4 +116,44 @@ class Rank1Config:
         return math.sqrt(p / (1.0 - p))
 
     def replace(self, **changes: object) -> "Rank1Config":
+        """A copy with ``changes`` applied (validated again)."""
         return replace(self, **changes)
+
+    @classmethod
+    def from_options(cls, base: "Rank1Config | None" = None, **options: Any) -> "Rank1Config":
+        """``base`` (default: the defaults) with ``options`` applied; unknown names raise a TypeError listing them all."""
+        unknown = sorted(set(options) - set(cls.option_names()))
+        if unknown:
+            raise TypeError(
+                f"unknown conversion option(s) {unknown}; the options are: {', '.join(cls.option_names())} "
+                "(see help(bayesify.Rank1Config))."
+            )
+        if base is None:
+            return cls(**options)
+        if not isinstance(base, cls):
+            raise TypeError(f"config={base!r} must be a bayesify.Rank1Config (or None for the defaults).")
+        return base.replace(**options) if options else base
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (enums as strings), e.g. for a checkpoint or a report."""
+        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), StrOption) else v) for f in dataclasses.fields(self)}
+
+
+@functools.cache
+def _enum_fields() -> dict[str, type[StrOption]]:
+    hints = typing.get_type_hints(Rank1Config)
+    return {name: kind for name, kind in hints.items() if isinstance(kind, type) and issubclass(kind, StrOption)}
+
+
+def options_doc(cls: type = Rank1Config, indent: str = "        ") -> str:
+    """``name: help (default ...)`` lines for every option of ``cls``, for generated docstrings."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else "..."
+        shown = f"'{default}'" if isinstance(default, StrOption) else repr(default)
+        lines.append(f"{indent}{f.name}: {f.metadata.get('help', '')} (default {shown}).")
+    return "\n".join(lines)

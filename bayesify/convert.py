@@ -1,29 +1,40 @@
-"""``convert()``: turn any model into a rank-1 Bayesian neural net by model surgery."""
+"""``convert()``: turn any model into a rank-1 Bayesian neural net by model surgery; ``revert()`` undoes it.
+
+The table of what converts to what is :func:`default_mapping` (data, as ``torch.ao``'s swap
+tables): ``{source type: converted layer class}``, subclasses of a source type included. The
+walk knows nothing about layers: each layer class converts a module in place with
+:meth:`~bayesify.layers.ConvertedLayer.from_module`, after the walk (never mutating the tree
+while iterating it).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
-from typing import Iterable, Mapping
+import inspect
+import sys
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Iterable, Mapping
 
 from torch import nn
 
-from bayesify import _routing
-from bayesify.config import Rank1Config
-from bayesify.modules import rank1_layers
-from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction
-from bayesify.wrappers.attention import Rank1MultiheadAttention
-from bayesify.wrappers.base import Rank1Layer
-from bayesify.wrappers.bilinear import Rank1Bilinear
-from bayesify.wrappers.condconv import condconv_mapping
-from bayesify.wrappers.conv import Rank1Conv, Rank1ConvTranspose
-from bayesify.wrappers.embedding import GaussianEmbedding
-from bayesify.wrappers.linear import Rank1Linear
-from bayesify.wrappers.recurrent import Rank1RNN, Rank1RNNCell
+from bayesify import _router
+from bayesify.config import Rank1Config, options_doc
+from bayesify.inspection import NORM_LAYERS, inside, rank1_layers
+from bayesify.layers.attention import Rank1MultiheadAttention
+from bayesify.layers.base import ConvertedLayer
+from bayesify.layers.bilinear import Rank1Bilinear
+from bayesify.layers.condconv import Rank1CondConv2d
+from bayesify.layers.conv import Rank1Conv, Rank1ConvTranspose
+from bayesify.layers.embedding import GaussianEmbedding
+from bayesify.layers.linear import Rank1Linear
+from bayesify.layers.recurrent import Rank1RNN, Rank1RNNCell
 
-__all__ = ["convert", "default_mapping", "revert"]
+__all__ = ["ConversionReport", "Skip", "SkipKind", "convert", "default_mapping", "revert"]
 
-# {source type: wrapper}; subclasses of a source type are converted by the same wrapper.
-_DEFAULT_MAPPING: dict[type[nn.Module], type[Rank1Layer]] = {
+# {source type: converted layer}; subclasses of a source type are converted by the same class.
+_DEFAULT_MAPPING: dict[type[nn.Module], type[ConvertedLayer]] = {
     nn.Linear: Rank1Linear,
     nn.Conv1d: Rank1Conv,
     nn.Conv2d: Rank1Conv,
@@ -41,26 +52,63 @@ _DEFAULT_MAPPING: dict[type[nn.Module], type[Rank1Layer]] = {
     nn.Bilinear: Rank1Bilinear,
 }
 
+# layers of optional libraries, by (module, class name): in the table once that library is imported
+_OPTIONAL_MAPPING: dict[tuple[str, str], type[ConvertedLayer]] = {
+    ("timm.layers.cond_conv2d", "CondConv2d"): Rank1CondConv2d,
+}
 
 # with convert(..., embeddings=True)
-_EMBEDDING_MAPPING: dict[type[nn.Module], type[Rank1Layer]] = {
+_EMBEDDING_MAPPING: dict[type[nn.Module], type[ConvertedLayer]] = {
     nn.Embedding: GaussianEmbedding,
     nn.EmbeddingBag: GaussianEmbedding,
 }
 
 
-def default_mapping() -> dict[type[nn.Module], type[Rank1Layer]]:
-    """A copy of the default ``{layer type: rank-1 wrapper}`` table.
+def default_mapping() -> dict[type[nn.Module], type[ConvertedLayer]]:
+    """A copy of the default ``{layer type: converted layer class}`` table.
 
     Extend it to convert your own layers: ``convert(model, mapping={**default_mapping(),
-    MyLayer: MyRank1Layer})``, where ``MyRank1Layer`` subclasses
-    :class:`~bayesify.wrappers.Rank1Layer`. Layers of optional libraries (timm's ``CondConv2d``)
-    are in it once that library is imported.
+    MyLayer: MyRank1Layer})``, where ``MyRank1Layer`` subclasses :class:`bayesify.Rank1Layer`.
+    Layers of optional libraries (timm's ``CondConv2d``) are in it once that library is imported:
+    the library stays optional.
     """
-    return {**_DEFAULT_MAPPING, **condconv_mapping()}
+    table = dict(_DEFAULT_MAPPING)
+    for (module_name, class_name), layer_class in _OPTIONAL_MAPPING.items():
+        source = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(source, type):
+            table[source] = layer_class
+    return table
 
 
-def _lookup(module: nn.Module, mapping: Mapping[type, type[Rank1Layer]]) -> type[Rank1Layer] | None:
+class SkipKind(str, Enum):
+    """Why a weight-bearing module stayed deterministic."""
+
+    NO_LAYER_CLASS = "no_layer_class"  # nothing in the mapping converts it (it may or may not be a linear map)
+    EMBEDDING = "embedding"  # an embedding, deterministic unless embeddings=True
+    NOT_INCLUDED = "not_included"
+    EXCLUDED = "excluded"
+    ADDED_LATER = "added_later"  # not there at conversion time
+
+
+@dataclass(frozen=True)
+class Skip:
+    kind: SkipKind
+    message: str
+
+    @property
+    def guessed(self) -> bool:
+        """A static guess (it has a matrix and no layer class), not the user's choice: a probe may overrule it."""
+        return self.kind in (SkipKind.NO_LAYER_CLASS, SkipKind.ADDED_LATER)
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert` left deterministic and why (kept on the root, read by :func:`bayesify.summary`)."""
+
+    skipped: dict[str, Skip] = field(default_factory=dict)
+
+
+def _lookup(module: nn.Module, mapping: Mapping[type, type[ConvertedLayer]]) -> type[ConvertedLayer] | None:
     # the closest mapped ancestor class wins, so subclasses (StdConv2d, ...) convert too
     for cls in type(module).__mro__:
         if cls in mapping:
@@ -83,7 +131,7 @@ def _matches(name: str, pattern: str) -> bool:
     return any(fnmatch.fnmatchcase(".".join(parts[: i + 1]), pattern) for i in range(len(parts)))
 
 
-def _is_weight_bearing(module: nn.Module) -> bool:
+def is_weight_bearing(module: nn.Module) -> bool:
     """Whether a module owns a parameter shaped like a matrix or kernel: 2+ axes longer than 1.
 
     Per-channel scales and tokens (``[C, 1, 1]``, ``[1, 1, D]``) are not; whether a table such as
@@ -92,55 +140,32 @@ def _is_weight_bearing(module: nn.Module) -> bool:
     return any(sum(size > 1 for size in p.shape) >= 2 for p in module.parameters(recurse=False))
 
 
-# kept deterministic by design, as in the paper: never reported as skipped linear maps
-_DETERMINISTIC: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.LocalResponseNorm,
-    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
-)
-
-
-def _skip_reason(module: nn.Module) -> str | None:
-    """Why a weight-bearing module without a wrapper stays deterministic, and how to change that."""
+def static_skip(module: nn.Module) -> Skip | None:
+    """Why a weight-bearing module without a layer class stays deterministic, and how to change that."""
     kind = type(module).__name__
-    if isinstance(module, _DETERMINISTIC):
-        return None
+    if isinstance(module, NORM_LAYERS):
+        return None  # deterministic by design, as in the paper
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-        return (
+        return Skip(
+            SkipKind.EMBEDDING,
             f"{kind} kept deterministic (embeddings are not rank-1 in the paper); convert(..., embeddings=True) "
-            "makes it a Gaussian variational embedding"
+            "makes it a Gaussian variational embedding",
         )
-    return (
+    return Skip(
+        SkipKind.NO_LAYER_CLASS,
         f"{kind} has no rank-1 wrapper in the mapping; if it computes a linear map or a convolution, pass "
-        f"mapping={{**bayesify.default_mapping(), {kind}: <your Rank1Layer subclass>}}"
+        f"mapping={{**bayesify.default_mapping(), {kind}: <your Rank1Layer subclass>}}",
     )
 
 
 def convert(
     model: nn.Module,
+    config: Rank1Config | None = None,
     *,
-    components: int = 4,
-    prior: Prior | str = Prior.NORMAL,
-    prior_mean: float | None = None,
-    prior_std: float = 0.1,
-    posterior: Posterior | str = Posterior.NORMAL,
-    perturbation: Perturbation | str = Perturbation.MULTIPLICATIVE,
-    init: Init | str = Init.PRESERVE,
-    init_sign_p: float = 0.5,
-    init_mean_std: float = 0.1,
-    init_dropout: float | None = None,
-    init_std: float | None = None,
-    init_jitter: float = 0.0,
-    clip: float | None = 10.0,
-    batch_dim: int = 0,
-    reduction: Reduction | str = Reduction.LOGITS,
     include: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
-    mapping: Mapping[type[nn.Module], type[Rank1Layer]] | None = None,
-    embeddings: bool = False,
-    embedding_prior_std: float = 1.0,
+    mapping: Mapping[type[nn.Module], type[ConvertedLayer]] | None = None,
+    **options: Any,
 ) -> nn.Module:
     """Make ``model`` a rank-1 Bayesian neural net, in place, and return it.
 
@@ -151,33 +176,14 @@ def convert(
 
     Args:
         model: any ``nn.Module`` (timm, torchvision, your own; the root may itself be a layer).
-        components: K, the number of mixture components (paper: 4).
-        prior: ``"normal"`` or ``"cauchy"`` prior on each entry of r and s.
-        prior_mean: prior location; default 1 (multiplicative) or 0 (additive).
-        prior_std: prior scale (paper: 0.1 CIFAR, 0.05 ImageNet).
-        posterior: ``"normal"``, ``"cauchy"`` or ``"delta"`` (deterministic: BatchEnsemble).
-        perturbation: ``"multiplicative"`` (``W o r s^T``) or ``"additive"``.
-        init: posterior means: ``"preserve"`` (exactly the identity: keeps a pretrained model's
-            function), ``"random_sign"`` (reference ``random_sign_init``, for training from
-            scratch; +1 with probability ``init_sign_p``), or ``"normal"`` (spread
-            ``init_mean_std`` around the identity).
-        init_dropout: initial scale by the dropout parameterisation ``sqrt(p / (1 - p))``;
-            default 1e-3 (Normal, std ~0.032) or 1e-6 (Cauchy), as the reference.
-        init_std: initial scale directly (overrides ``init_dropout``).
-        init_jitter: std of truncated-normal jitter on the raw scale (reference: 0.1).
-        clip: samples of r and s are clipped to ``[-clip, clip]`` (reference: 10; None: off).
-        batch_dim: where the batch lies in the model's inputs (and Linear layers' inputs).
-        reduction: how evaluation reduces the K members: ``"logits"`` (log mean softmax),
-            ``"binary_logits"`` (logit of mean sigmoid) or ``"mean"``.
+        config: a :class:`~bayesify.Rank1Config` (default: the defaults); ``**options`` override it.
         include: fnmatch patterns of module names to convert (a pattern covers everything
             below the module it names); default: all.
         exclude: fnmatch patterns of module names to leave deterministic.
-        mapping: ``{layer type: wrapper}``; default :func:`default_mapping`.
-        embeddings: also make ``nn.Embedding`` / ``nn.EmbeddingBag`` Gaussian variational
-            embeddings (a Normal over each vector, mean = the original weight; the paper's
-            MIMIC-III model). Off by default: embeddings stay deterministic, as the paper's
-            rank-1 layers.
-        embedding_prior_std: std of the Normal(0, std) prior of those embeddings.
+        mapping: ``{layer type: converted layer class}``; default :func:`default_mapping`.
+        **options: the conversion options, each a field of :class:`~bayesify.Rank1Config`:
+
+{options}
 
     Returns:
         ``model`` itself, converted.
@@ -185,6 +191,7 @@ def convert(
     Raises:
         ValueError: an invalid option, a pattern that matches no module, nothing to convert,
             or a second conversion with a different number of components.
+        TypeError: an unknown option.
 
     Example:
         >>> import torch, bayesify
@@ -199,64 +206,47 @@ def convert(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}.")
-    config = Rank1Config(
-        components=components,
-        prior=prior,
-        prior_mean=prior_mean,
-        prior_std=prior_std,
-        posterior=posterior,
-        perturbation=perturbation,
-        init=init,
-        init_sign_p=init_sign_p,
-        init_mean_std=init_mean_std,
-        init_dropout=init_dropout,
-        init_std=init_std,
-        init_jitter=init_jitter,
-        clip=clip,
-        batch_dim=batch_dim,
-        reduction=reduction,
-        embeddings=embeddings,
-        embedding_prior_std=embedding_prior_std,
-    )
+    config = Rank1Config.from_options(config, **options)
     table = default_mapping() if mapping is None else dict(mapping)
     if config.embeddings:
         table = {**_EMBEDDING_MAPPING, **table}
-    for source, wrapper in table.items():
-        if not (isinstance(wrapper, type) and issubclass(wrapper, Rank1Layer)):
+    for source, layer_class in table.items():
+        if not (isinstance(layer_class, type) and issubclass(layer_class, ConvertedLayer)):
             raise TypeError(
-                f"mapping[{source.__name__}]={wrapper!r} must be a subclass of bayesify.wrappers.Rank1Layer."
+                f"mapping[{source.__name__}]={layer_class!r} must be a subclass of bayesify.Rank1Layer "
+                "(or bayesify.layers.ConvertedLayer)."
             )
     includes, excludes = _as_patterns("include", include), _as_patterns("exclude", exclude)
 
-    context = _context_for(model, config)
-    plan: list[tuple[str, nn.Module, type[Rank1Layer]]] = []
-    skipped: dict[str, str] = {}
+    router = _router_for(model, config)
+    plan: list[tuple[str, nn.Module, type[ConvertedLayer]]] = []
+    skipped: dict[str, Skip] = {}
     used_patterns: set[str] = set()
-    converted_prefixes: list[str] = []
+    converted: list[str] = []
     for name, module in model.named_modules():
-        if any(p == "" or name.startswith(p + ".") for p in converted_prefixes if p != name):
+        if inside(name, converted):
             continue  # never convert inside a layer that is converted (it would stack factors)
-        already = isinstance(module, Rank1Layer)
-        wrapper = None if already else _lookup(module, table)
-        if wrapper is None and not already:
-            reason = _skip_reason(module) if _is_weight_bearing(module) else None
-            if reason is not None:
-                skipped[name] = reason
+        already = isinstance(module, ConvertedLayer)
+        layer_class = None if already else _lookup(module, table)
+        if layer_class is None and not already:
+            skip = static_skip(module) if is_weight_bearing(module) else None
+            if skip is not None:
+                skipped[name] = skip
             continue
         hit_in = [p for p in includes or [] if _matches(name, p)]
         hit_ex = [p for p in excludes or [] if _matches(name, p)]
         used_patterns.update(hit_in, hit_ex)
         if already:  # converted before: left as it is
-            converted_prefixes.append(name)
+            converted.append(name)
             continue
         if includes is not None and not hit_in:
-            skipped[name] = "not matched by include"
+            skipped[name] = Skip(SkipKind.NOT_INCLUDED, "not matched by include")
             continue
         if hit_ex:
-            skipped[name] = f"excluded by pattern {hit_ex[0]!r}"
+            skipped[name] = Skip(SkipKind.EXCLUDED, f"excluded by pattern {hit_ex[0]!r}")
             continue
-        plan.append((name, module, wrapper))
-        converted_prefixes.append(name)
+        plan.append((name, module, layer_class))
+        converted.append(name)
 
     unused = [p for p in (includes or []) + (excludes or []) if p not in used_patterns]
     if unused:
@@ -265,8 +255,7 @@ def convert(
             "globs on qualified module names as printed by model.named_modules() (e.g. 'head', 'blocks.*.mlp')."
         )
     if not plan:
-        already = next(rank1_layers(model), None) is not None
-        if already:
+        if next(rank1_layers(model), None) is not None:
             raise ValueError(
                 f"{type(model).__name__} is already converted and nothing new matched; it was left unchanged. "
                 "To change options, call bayesify.revert(model) and convert again."
@@ -277,42 +266,55 @@ def convert(
             "YourRank1Layer} to convert other layer types."
         )
 
-    # convert after the walk (never mutate the tree while iterating it)
-    for name, module, wrapper in plan:
-        new = wrapper.from_module(module, config, context)
+    for name, module, layer_class in plan:
+        new = layer_class.from_module(module, config, router)
         if new is not module:
             _replace(model, name, new)
             if name == "":
                 model = new
+    report = model.__dict__.get("_rank1_report") or ConversionReport()
     for name, _, _ in plan:
-        context.skipped.pop(name, None)
-    context.skipped.update(skipped)
-    if not _routing.is_root(model):
-        _routing.attach(model, context)
+        report.skipped.pop(name, None)
+    report.skipped.update(skipped)
+    model.__dict__["_rank1_report"] = report
+    if not _router.is_root(model):
+        _router.attach(model, router)
     return model
 
 
-def _context_for(model: nn.Module, config: Rank1Config) -> _routing.Rank1Context:
-    """The model's routing context: the existing one on a second conversion, else a new one."""
+convert.__doc__ = convert.__doc__.replace("{options}", options_doc(Rank1Config, indent="            "))
+convert.__signature__ = inspect.signature(convert).replace(  # type: ignore[attr-defined]
+    parameters=[
+        *[p for p in inspect.signature(convert).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD],
+        *[
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+            for f in dataclasses.fields(Rank1Config)
+        ],
+    ]
+)
+
+
+def _router_for(model: nn.Module, config: Rank1Config) -> _router.Router:
+    """The model's router: the existing one on a second conversion, else a new one."""
     existing = model.__dict__.get("_rank1_context")
     inner = [layer for _, layer in rank1_layers(model)]
     if existing is None and inner:
-        existing = inner[0]._rank1_context  # a part of the model was converted on its own before
+        existing = inner[0].rank1_state.router  # a part of the model was converted on its own before
     if existing is None:
-        return _routing.Rank1Context(config.components, batch_dim=config.batch_dim, reduction=config.reduction)
+        return _router.Router(config)
     if existing.components != config.components or existing.batch_dim != config.batch_dim:
         raise ValueError(
             f"{type(model).__name__} already has rank-1 layers with components={existing.components}, "
             f"batch_dim={existing.batch_dim}; a second convert() must use the same values (got "
             f"components={config.components}, batch_dim={config.batch_dim}), or call bayesify.revert(model) first."
         )
-    # one context per model: rebind inner layers and drop routing hooks of inner roots
+    # one router per model: rebind inner layers and drop routing hooks of inner roots
     for _, layer in rank1_layers(model):
-        layer._rank1_context = existing
+        layer.rank1_state.router = existing
     for module in model.modules():
-        if module is not model and _routing.is_root(module):
-            _routing.detach(module)
-            if not isinstance(module, Rank1Layer):
+        if module is not model and _router.is_root(module):
+            _router.detach(module)
+            if not isinstance(module, ConvertedLayer):
                 del module._rank1_context
     return existing
 
@@ -328,9 +330,10 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 def revert(model: nn.Module) -> nn.Module:
     """Undo :func:`convert` in place: original classes, original state only. Returns ``model``."""
     for module in list(model.modules()):
-        if _routing.is_root(module):
-            _routing.detach(module)
-        if not isinstance(module, Rank1Layer):
+        if _router.is_root(module):
+            _router.detach(module)
+        module.__dict__.pop("_rank1_report", None)
+        if not isinstance(module, ConvertedLayer):
             module.__dict__.pop("_rank1_context", None)
     for _, layer in list(rank1_layers(model)):
         layer.revert()

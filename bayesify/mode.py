@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from bayesify._routing import RouteSpec, find_context, find_root, split_members
+from bayesify._router import RouteSpec, find_router, split_output
 from bayesify.options import Reduction, Route, parse_option
 
 __all__ = ["mode", "predict"]
@@ -43,12 +43,12 @@ def mode(
         >>> with bayesify.mode(model, route="tile", noise=False):
         ...     members = model(x)            # [K*B, ...]: the K posterior-mean members
     """
-    context = find_context(model)
+    router = find_router(model)
     if component is not None and route is None:
         route = Route.COMPONENT
     route = None if route is None else parse_option(route, Route, "route")
     if route is Route.COMPONENT:
-        k = context.components
+        k = router.components
         if isinstance(component, bool) or not isinstance(component, int) or not 0 <= component < k:
             raise ValueError(f"component={component!r} must be an integer in [0, {k}) for route='component'.")
     elif component is not None:
@@ -58,18 +58,23 @@ def mode(
     if not isinstance(noise, bool):
         raise TypeError(f"noise={noise!r} must be True or False.")
     reduction = None if reduction is None else parse_option(reduction, Reduction, "reduction")
-    context.overrides.append(RouteSpec(route, noise, samples, reduction, component))
+    router.overrides.append(RouteSpec(route, noise, samples, reduction, component))
     try:
         yield
     finally:
-        context.overrides.pop()
+        router.overrides.pop()
 
 
-def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool = True, **kwargs: Any) -> Any:
+def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None = None, **kwargs: Any) -> Any:
     """The K x ``samples`` member outputs for one batch, stacked on a new leading axis.
 
     Runs ``model(*args, **kwargs)`` once on the tiled batch without gradients, in the model's
     current train/eval state (call ``model.eval()`` first for evaluation).
+
+    Args:
+        samples: posterior samples per component (M).
+        noise: sample the factors (True) or use the posterior means (False); default: what an
+            enclosing ``mode(model, noise=...)`` says, else True.
 
     Returns:
         The model's output structure with a member axis in front of every batched tensor:
@@ -80,7 +85,9 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool = True, 
         >>> members = bayesify.predict(model.eval(), x, samples=4)     # [K*4, B, classes]
         >>> probs = members.softmax(-1).mean(0)
     """
-    root = find_root(model)
+    if noise is None:
+        overrides = find_router(model).overrides
+        noise = overrides[-1].noise if overrides else True
     with torch.no_grad(), mode(model, Route.TILE, samples=samples, noise=noise):
         output = model(*args, **kwargs)
-    return split_members(root, output)
+    return split_output(model, output)

@@ -7,18 +7,47 @@ raise a ``ValueError`` that lists what is accepted.
 
 from __future__ import annotations
 
+import dataclasses
 from enum import Enum
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["Prior", "Posterior", "Perturbation", "Init", "Route", "Reduction", "parse_option"]
+__all__ = [
+    "Init",
+    "Perturbation",
+    "Posterior",
+    "Prior",
+    "Reduction",
+    "Route",
+    "StrOption",
+    "option",
+    "parse_option",
+]
 
 
-class _Option(str, Enum):
+class StrOption(str, Enum):
+    """Base of every string option: a ``str`` enum whose members print as their value.
+
+    Subclasses get :meth:`parse` (a string, any case, or a member; unknown values raise a
+    ValueError listing what is accepted) and document each member with a docstring.
+    """
+
     def __str__(self) -> str:  # "normal", not "Prior.NORMAL", in messages and reprs
         return self.value
 
+    @classmethod
+    def parse(cls, value: object, name: str | None = None) -> "StrOption":
+        """``value`` as a member of this option, or a ValueError naming ``name`` and the accepted values."""
+        return parse_option(value, cls, name or _snake(cls.__name__))
 
-class Prior(_Option):
+
+def _snake(name: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
+
+
+_Option = StrOption  # the private name of earlier releases
+
+
+class Prior(StrOption):
     """Prior over each entry of the rank-1 factors r and s."""
 
     NORMAL = "normal"
@@ -27,7 +56,7 @@ class Prior(_Option):
     """Cauchy(prior_mean, prior_std); closed-form KL to a Cauchy posterior."""
 
 
-class Posterior(_Option):
+class Posterior(StrOption):
     """Variational family of each mixture component of r and s."""
 
     NORMAL = "normal"
@@ -38,7 +67,7 @@ class Posterior(_Option):
     """A point mass at loc: the deterministic BatchEnsemble special case (no KL)."""
 
 
-class Perturbation(_Option):
+class Perturbation(StrOption):
     """How the factors act on the layer: ``W o (r s^T)`` or an additive shift."""
 
     MULTIPLICATIVE = "multiplicative"
@@ -47,7 +76,7 @@ class Perturbation(_Option):
     """y = (x + s) W^T + r + b: the reference's additive variant (means start at 0)."""
 
 
-class Init(_Option):
+class Init(StrOption):
     """How the posterior means are initialised."""
 
     PRESERVE = "preserve"
@@ -58,7 +87,7 @@ class Init(_Option):
     """Normal(identity, ``init_mean_std``): small random spread around the identity."""
 
 
-class Route(_Option):
+class Route(StrOption):
     """Which mixture component each example of a forward pass goes through."""
 
     SAMPLE = "sample"
@@ -71,7 +100,7 @@ class Route(_Option):
     """Every example through one chosen component (``mode(component=k)``)."""
 
 
-class Reduction(_Option):
+class Reduction(StrOption):
     """How the ``mixture`` route reduces the members' outputs to one output per example."""
 
     LOGITS = "logits"
@@ -82,7 +111,7 @@ class Reduction(_Option):
     """mean_k z_k: for regression or features."""
 
 
-_E = TypeVar("_E", bound=_Option)
+_E = TypeVar("_E", bound=StrOption)
 
 
 def parse_option(value: object, kind: type[_E], name: str) -> _E:
@@ -96,3 +125,14 @@ def parse_option(value: object, kind: type[_E], name: str) -> _E:
             pass
     accepted = ", ".join(repr(m.value) for m in kind)
     raise ValueError(f"{name}={value!r} is not a valid {kind.__name__} option; accepted: {accepted}.")
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING, cli: bool = True) -> Any:
+    """A dataclass field that documents itself: its one-line ``help`` feeds docstrings and CLI flags.
+
+    The configuration dataclasses (:class:`~bayesify.config.Rank1Config`,
+    :class:`~bayesify.training.TrainConfig`) declare every option once with this; ``convert``'s
+    signature and docstring and the command line's flags are generated from those fields.
+    ``cli=False`` keeps a field off the command line (e.g. a Python-only mapping).
+    """
+    return dataclasses.field(default=default, default_factory=factory, metadata={"help": help, "cli": cli})

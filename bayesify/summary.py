@@ -8,13 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from bayesify._routing import find_context
+from bayesify._router import find_root, find_router
 from bayesify._weight_uses import WeightUses, watched_parameters
-from bayesify.convert import _is_weight_bearing, _skip_reason
+from bayesify.convert import ConversionReport, Skip, SkipKind, is_weight_bearing, static_skip
+from bayesify.inspection import inside, rank1_layers
+from bayesify.layers.base import ConvertedLayer
 from bayesify.mode import mode
-from bayesify.modules import rank1_layers
-from bayesify.wrappers.base import Rank1Layer
-from bayesify.wrappers.factor import Rank1Factor
+from bayesify.variational.factor import Rank1Factor
 
 __all__ = ["Summary", "summary"]
 
@@ -31,6 +31,8 @@ class Summary:
     original_parameters: int = 0
     added_parameters: int = 0
     probed: bool = False
+    # which skips are static guesses (a matrix without a layer class) that an example forward may overrule
+    _guessed: set[str] = field(default_factory=set, repr=False)
 
     @property
     def overhead(self) -> float:
@@ -72,8 +74,8 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     whose parameters were only used otherwise (position embeddings, bias tables, scales) is
     dropped from ``skipped`` (see ``bayesify._weight_uses``).
     """
-    context = find_context(model)
-    report = Summary(model=type(model).__name__, components=context.components)
+    router = find_router(model)
+    report = Summary(model=type(model).__name__, components=router.components)
     added_ids = set()
     for name, layer in rank1_layers(model):
         added = list(layer.rank1_parameters())
@@ -82,18 +84,19 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     report.added_parameters = sum(p.numel() for p in model.parameters() if id(p) in added_ids)
     report.original_parameters = sum(p.numel() for p in model.parameters() if id(p) not in added_ids)
 
-    report.skipped = dict(context.skipped)
+    conversion: ConversionReport = find_root(model).__dict__.get("_rank1_report") or ConversionReport()
+    skips: dict[str, Skip] = dict(conversion.skipped)
     layer_names = [name for name, _ in rank1_layers(model)]
     for name, module in model.named_modules():
-        if isinstance(module, (Rank1Layer, Rank1Factor)) or name in report.skipped:
+        if isinstance(module, (ConvertedLayer, Rank1Factor)) or name in skips or inside(name, layer_names):
             continue
-        if any(name.startswith(p + ".") for p in layer_names if p) or (layer_names and "" in layer_names):
-            continue
-        if _is_weight_bearing(module) and _skip_reason(module) is not None:
-            report.skipped[name] = f"{type(module).__name__} is not converted (added after conversion?)"
+        if is_weight_bearing(module) and static_skip(module) is not None:
+            skips[name] = Skip(SkipKind.ADDED_LATER, f"{type(module).__name__} is not converted (added after conversion?)")
+    report.skipped = {name: skip.message for name, skip in skips.items()}
+    report._guessed = {name for name, skip in skips.items() if skip.guessed}
 
     for name, layer in rank1_layers(model):
-        used = layer.__dict__.get("_rank1_bypassed_by")
+        used = layer.rank1_state.bypassed_by
         if used:
             report.bypassed[name] = f"weight used directly by {', '.join(sorted(used))} (not intercepted)"
     if example_args or example_kwargs:
@@ -107,8 +110,8 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
     handles = []
     layers = dict(rank1_layers(model))
     for name, layer in layers.items():
-        layer.__dict__.pop("_rank1_bypassed_by", None)
-        layer.__dict__.pop("_rank1_intercepted_by", None)
+        layer.rank1_state.bypassed_by = set()
+        layer.rank1_state.intercepted_by = None
         handles.append(layer.register_forward_pre_hook(lambda m, a, n=name: ran.add(n)))
     watcher = WeightUses(watched_parameters(model, layers))
     try:
@@ -118,16 +121,15 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
         for h in handles:
             h.remove()
     linear, not_linear = watcher.verdicts(dict(model.named_modules()))
-    guessed = ("has no rank-1 wrapper", "added after conversion")  # static reasons, not the user's choice
     for name, why in linear.items():
-        if name not in report.skipped or any(g in report.skipped[name] for g in guessed):
+        if name not in report.skipped or name in report._guessed:
             report.skipped[name] = why
     for name in not_linear:
-        if any(g in report.skipped.get(name, "") for g in guessed):
+        if name in report._guessed:
             del report.skipped[name]
     for name, layer in layers.items():
-        used = layer.__dict__.get("_rank1_bypassed_by")
+        used = layer.rank1_state.bypassed_by
         if used:
             report.bypassed[name] = f"weight used directly by {', '.join(sorted(used))} (not intercepted)"
-        elif name not in ran and not layer.__dict__.get("_rank1_intercepted_by"):
+        elif name not in ran and not layer.rank1_state.intercepted_by:
             report.bypassed[name] = "never ran in the example forward pass (unused, or its weight is read elsewhere)"

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from bayesify.evaluation.corruptions import SEVERITIES, corrupt_images, corruption_seed, parse_corruptions
 from bayesify.evaluation.metrics import compute_metrics, member_log_probs_from_logits
 from bayesify.mode import predict
-from bayesify.modules import is_converted, num_components
+from bayesify.inspection import is_converted, num_components
 
 __all__ = ["evaluate", "evaluate_corruptions", "predict_members"]
 

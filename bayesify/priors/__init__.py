@@ -1,18 +1,9 @@
-"""Distributions over the rank-1 factors and their KL divergences.
+"""Deprecated: distributions and KLs moved to :mod:`bayesify.variational` (this alias stays for one release)."""
 
-* :mod:`bayesify.priors.distributions`: sampling and log-densities of Normal and Cauchy.
-* :mod:`bayesify.priors.kl`: KL(posterior || prior) for every supported pair.
-"""
+import warnings
 
-from bayesify.priors.distributions import log_prob, rsample, softplus_inverse
-from bayesify.priors.kl import kl_cauchy_cauchy, kl_divergence, kl_normal_cauchy, kl_normal_normal
+from bayesify.variational import *  # noqa: F401,F403
+from bayesify.variational import __all__  # noqa: F401
+from bayesify.variational import distributions, kl  # noqa: F401
 
-__all__ = [
-    "kl_cauchy_cauchy",
-    "kl_divergence",
-    "kl_normal_cauchy",
-    "kl_normal_normal",
-    "log_prob",
-    "rsample",
-    "softplus_inverse",
-]
+warnings.warn("bayesify.priors is deprecated; use bayesify.variational.", DeprecationWarning, stacklevel=2)

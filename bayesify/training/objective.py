@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.modules import is_converted, kl_divergence, num_components, rank1_layers, rank1_parameters
+from bayesify.inspection import is_converted, num_components, rank1_layers, rank1_parameters
+from bayesify.kl import kl_divergence
 
 __all__ = [
     "Likelihood",

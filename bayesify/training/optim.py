@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from bayesify.wrappers.factor import Rank1Factor
+from bayesify.variational.factor import Rank1Factor
 
 __all__ = ["OptimizerName", "WarmupStepDecay", "build_optimizer", "param_groups"]
 

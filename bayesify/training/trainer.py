@@ -41,10 +41,10 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
 import bayesify
-from bayesify.data import DataBundle
+from bayesify.zoo.data import DataBundle
 from bayesify.evaluation.evaluator import evaluate
-from bayesify.models import create_model
-from bayesify.modules import num_components
+from bayesify.zoo.models import create_model
+from bayesify.inspection import num_components
 from bayesify.options import Route
 from bayesify.training.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from bayesify.training.distributed import setup

@@ -1,25 +1,8 @@
-"""Rank-1 layer wrappers, one file per layer family, and the base they share."""
+"""Deprecated: the layer classes moved to :mod:`bayesify.layers` (this alias stays for one release)."""
 
-from bayesify.wrappers.attention import Rank1MultiheadAttention
-from bayesify.wrappers.base import Rank1Layer
-from bayesify.wrappers.bilinear import Rank1Bilinear
-from bayesify.wrappers.condconv import Rank1CondConv2d
-from bayesify.wrappers.conv import Rank1Conv, Rank1ConvTranspose
-from bayesify.wrappers.embedding import GaussianEmbedding
-from bayesify.wrappers.factor import Rank1Factor
-from bayesify.wrappers.linear import Rank1Linear
-from bayesify.wrappers.recurrent import Rank1RNN, Rank1RNNCell
+import warnings
 
-__all__ = [
-    "GaussianEmbedding",
-    "Rank1Bilinear",
-    "Rank1CondConv2d",
-    "Rank1Conv",
-    "Rank1ConvTranspose",
-    "Rank1Factor",
-    "Rank1Layer",
-    "Rank1Linear",
-    "Rank1MultiheadAttention",
-    "Rank1RNN",
-    "Rank1RNNCell",
-]
+from bayesify.layers import *  # noqa: F401,F403
+from bayesify.layers import __all__  # noqa: F401
+
+warnings.warn("bayesify.wrappers is deprecated; use bayesify.layers.", DeprecationWarning, stacklevel=2)

@@ -10,6 +10,12 @@
   0.1); a posterior 5-10x wider than the prior is approximated to a few percent.
 * Cauchy posterior, Normal prior: infinite (a Cauchy has no second moment), so refused.
 
+The KL of a whole model is one sum over :class:`KLTerm` pieces that its layers declare
+(:meth:`bayesify.layers.ConvertedLayer.rank1_kl_terms`); :func:`total_kl` concatenates the pieces
+that share a posterior family, prior, dtype and device and takes each group in one pass (a
+handful of kernels for a whole model instead of dozens per layer: per-layer terms made a
+ResNet-50 training step on an H200 2.55x the deterministic one instead of 1.72x).
+
 References:
     Dusenberry et al., "Efficient and Scalable Bayesian Neural Nets with Rank-1 Factors",
     ICML 2020, Sec. 3 and Appendix.
@@ -19,14 +25,25 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from bayesify.options import Posterior, Prior
+from bayesify.variational.distributions import scale as positive_scale
 
-__all__ = ["kl_normal_normal", "kl_cauchy_cauchy", "kl_normal_cauchy", "kl_divergence", "check_pair"]
+__all__ = [
+    "KLTerm",
+    "check_pair",
+    "kl_cauchy_cauchy",
+    "kl_divergence",
+    "kl_normal_cauchy",
+    "kl_normal_normal",
+    "total_kl",
+]
 
 
 # Prior parameters stay Python floats where given so: a float is folded into the kernel, while
@@ -106,3 +123,39 @@ def kl_divergence(
     else:
         kl = kl_normal_cauchy(loc, scale, prior_mean, prior_std)
     return kl.sum()
+
+
+@dataclass(frozen=True)
+class KLTerm:
+    """Independent entries ``q(loc, softplus(raw) + 1e-7)`` of one posterior family and their prior.
+
+    One piece of a model's KL divergence, as a layer declares it; ``loc`` and ``raw`` have the
+    same shape (any). The prior's parameters are Python floats, folded into the kernels.
+    """
+
+    posterior: Posterior
+    prior: Prior
+    prior_mean: float
+    prior_std: float
+    loc: Tensor
+    raw: Tensor
+
+
+def total_kl(terms: Iterable[KLTerm]) -> Tensor | None:
+    """The summed KL of ``terms``: one concatenated pass per (posterior, prior, dtype, device) group.
+
+    Returns None when there is nothing to sum (no terms), so callers choose the zero's device.
+    """
+    groups: dict[tuple, list[KLTerm]] = {}
+    for term in terms:
+        key = (term.posterior, term.prior, term.prior_mean, term.prior_std, term.loc.dtype, term.loc.device)
+        groups.setdefault(key, []).append(term)
+    sums: list[Tensor] = []
+    for (posterior, prior, prior_mean, prior_std, _, _), group in groups.items():
+        loc = torch.cat([t.loc.reshape(-1) for t in group])
+        scale = positive_scale(torch.cat([t.raw.reshape(-1) for t in group]))
+        sums.append(kl_divergence(posterior, loc, scale, prior, prior_mean, prior_std))
+    if not sums:
+        return None
+    device = sums[0].device
+    return torch.stack([s.to(device) for s in sums]).sum()

@@ -33,8 +33,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from bayesify.config import Rank1Config
+from bayesify.layers.base import Draw, Rank1Layer
+from bayesify.layers.rank1_op import rank1_affine
 from bayesify.options import Perturbation
-from bayesify.wrappers.base import Rank1Layer
 
 __all__ = ["Rank1MultiheadAttention"]
 
@@ -74,30 +75,19 @@ class Rank1MultiheadAttention(Rank1Layer):
         Dusenberry et al., ICML 2020.
     """
 
-    source_types = (nn.MultiheadAttention,)
     # read from outside during a forward pass (e.g. TransformerEncoderLayer's fast-path checks):
     # an intercepted view, so those fused kernels are never taken
-    _rank1_intercepted = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
+    rank1_intercepted = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
 
-    def _rank1_setup(self, config: Rank1Config) -> None:
+    def rank1_setup(self, config: Rank1Config) -> None:
         if _disable_fused_fast_path not in self._forward_pre_hooks.values():
             self.register_forward_pre_hook(_disable_fused_fast_path)
         e = self.embed_dim
         for name, fan_in in (("q", e), ("k", self.kdim), ("v", self.vdim), ("out", e)):
-            setattr(self, f"rank1_s_{name}", self._rank1_new_factor(fan_in, config))
-            setattr(self, f"rank1_r_{name}", self._rank1_new_factor(e, config))
-        like = self._parameters.get("in_proj_weight")
-        if like is None:
-            like = self._parameters["q_proj_weight"]
-        kwargs = {"device": like.device, "dtype": like.dtype}
-        if self._parameters.get("in_proj_bias") is not None:
-            self.rank1_bias_in = nn.Parameter(torch.zeros(config.components, 3 * e, **kwargs))
-        else:
-            self.register_parameter("rank1_bias_in", None)
-        if self.out_proj.bias is not None:
-            self.rank1_bias_out = nn.Parameter(torch.zeros(config.components, e, **kwargs))
-        else:
-            self.register_parameter("rank1_bias_out", None)
+            setattr(self, f"rank1_s_{name}", self.rank1_factor(fan_in))
+            setattr(self, f"rank1_r_{name}", self.rank1_factor(e))
+        self.rank1_bias_offset("rank1_bias_in", 3 * e, "in_proj_bias")
+        self.rank1_bias_offset("rank1_bias_out", e, "out_proj.bias")
 
     def revert(self) -> nn.Module:
         for key in [k for k, hook in self._forward_pre_hooks.items() if hook is _disable_fused_fast_path]:
@@ -109,10 +99,10 @@ class Rank1MultiheadAttention(Rank1Layer):
     def _rank1_qkv_axis(self) -> int:
         return 0 if self.batch_first else 1
 
-    def _rank1_batch_axis(self, query: Tensor) -> int | None:
+    def rank1_batch_axis(self, query: Tensor) -> int | None:
         return self._rank1_qkv_axis() if query.dim() == 3 else None
 
-    def _rank1_input_axes(self, args: tuple, kwargs: dict) -> list[int | None]:
+    def rank1_input_axes(self, args: tuple, kwargs: dict) -> list[int | None]:
         # one axis per leaf, in the order _routing flattens (args, kwargs); attn_mask [L, S] is shared
         # by all examples and [B * heads, L, S] is tiled in forward (its first axis is not the batch)
         axis = self._rank1_qkv_axis()
@@ -123,27 +113,29 @@ class Rank1MultiheadAttention(Rank1Layer):
             leaves += [axes.get(name)] * len(tree_flatten(value)[0])
         return leaves
 
-    def _rank1_output_axes(self, output: Any) -> list[int | None]:
+    def rank1_output_axes(self, output: Any) -> list[int | None]:
         return [self._rank1_qkv_axis(), 0]
 
     # ---- maths ------------------------------------------------------------------------------
 
-    def _rank1_project(self, x: Tensor, name: str, weight: Tensor, bias: Tensor | None, rows: Tensor, noise: bool) -> Tensor:
+    def _rank1_project(self, x: Tensor, name: str, weight: Tensor, bias: Tensor | None, draw: Draw) -> Tensor:
         """``((x o s) W^T) o r + b + delta`` of ``x [L, B, F]``; per-example factors broadcast over L."""
-        s = getattr(self, f"rank1_s_{name}").sample(rows, noise).to(x.dtype).unsqueeze(0)
-        r = getattr(self, f"rank1_r_{name}").sample(rows, noise).to(x.dtype).unsqueeze(0)
-        additive = self.rank1_config.perturbation is Perturbation.ADDITIVE
-        y = F.linear(x + s if additive else x * s, weight)
+        offset = None
         if bias is not None:
             offsets = self.rank1_bias_out if name == "out" else self.rank1_bias_in
             index = {"q": 0, "k": 1, "v": 2, "out": 0}[name]
             e = self.embed_dim
-            delta = offsets[rows][:, index * e : (index + 1) * e].to(x.dtype).unsqueeze(0)
-            bias = bias + delta
-        if additive:
-            y = y + r
-            return y if bias is None else y + bias
-        return y * r if bias is None else torch.addcmul(bias, y, r)
+            offset = bias + draw.gather(offsets)[:, index * e : (index + 1) * e]
+        return rank1_affine(
+            x,
+            lambda v: F.linear(v, weight),
+            draw.sample(getattr(self, f"rank1_s_{name}")),
+            draw.sample(getattr(self, f"rank1_r_{name}")),
+            offset,
+            additive=self.rank1_config.perturbation is Perturbation.ADDITIVE,
+            batch_axis=1,
+            channel_axis=-1,
+        )
 
     def forward(
         self,
@@ -201,14 +193,14 @@ class Rank1MultiheadAttention(Rank1Layer):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         tgt_len, bsz, embed_dim = query.shape
         src_len = key.shape[0]
-        ctx = self._rank1_context
-        if ctx.active and ctx.tiles > 1:
+        tiles = self.rank1_state.router.tiles
+        if tiles > 1:
             # masks given per example for a tiled batch (the root tiles only tensors whose batch_dim holds
             # the batch): the same mask for every member
-            if key_padding_mask is not None and key_padding_mask.shape[0] * ctx.tiles == bsz:
-                key_padding_mask = torch.cat([key_padding_mask] * ctx.tiles)
-            if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] * ctx.tiles == bsz * heads:
-                attn_mask = torch.cat([attn_mask] * ctx.tiles)
+            if key_padding_mask is not None and key_padding_mask.shape[0] * tiles == bsz:
+                key_padding_mask = torch.cat([key_padding_mask] * tiles)
+            if attn_mask is not None and attn_mask.dim() == 3 and attn_mask.shape[0] * tiles == bsz * heads:
+                attn_mask = torch.cat([attn_mask] * tiles)
         key_padding_mask = _canonical(key_padding_mask, "key_padding_mask", attn_mask, query.dtype)
         if is_causal and attn_mask is None:
             raise RuntimeError(
@@ -229,7 +221,7 @@ class Rank1MultiheadAttention(Rank1Layer):
 
         # the rank-1 projections: one sample per example, shared by every position
         params = self._parameters
-        rows, noise = self._rank1_rows(bsz, query.device)
+        draw = self.rank1_draw(bsz, query.device)
         fused = params.get("in_proj_weight")
         if fused is not None:
             w_q, w_k, w_v = fused.chunk(3)
@@ -237,9 +229,9 @@ class Rank1MultiheadAttention(Rank1Layer):
             w_q, w_k, w_v = params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
         in_bias = params.get("in_proj_bias")
         b_q, b_k, b_v = in_bias.chunk(3) if in_bias is not None else (None, None, None)
-        q = self._rank1_project(query, "q", w_q, b_q, rows, noise)
-        k = self._rank1_project(key, "k", w_k, b_k, rows, noise)
-        v = self._rank1_project(value, "v", w_v, b_v, rows, noise)
+        q = self._rank1_project(query, "q", w_q, b_q, draw)
+        k = self._rank1_project(key, "k", w_k, b_k, draw)
+        v = self._rank1_project(value, "v", w_v, b_v, draw)
 
         if attn_mask is not None:
             if attn_mask.dim() == 2:
@@ -313,7 +305,7 @@ class Rank1MultiheadAttention(Rank1Layer):
             attn = attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
 
         out_proj = self.out_proj
-        out = self._rank1_project(attn, "out", out_proj._parameters["weight"], out_proj._parameters.get("bias"), rows, noise)
+        out = self._rank1_project(attn, "out", out_proj._parameters["weight"], out_proj._parameters.get("bias"), draw)
         if not is_batched:
             out = out.squeeze(1)
             weights = weights.squeeze(0) if weights is not None else None

@@ -1,21 +1,35 @@
-"""Reparameterised sampling and log-densities of the factor distributions."""
+"""Reparameterised sampling, log-densities and the positive-scale parameterisation of the factors."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from bayesify.options import Posterior, Prior
 
-__all__ = ["rsample", "log_prob", "softplus_inverse"]
+__all__ = ["MIN_SCALE", "log_prob", "raw_scale", "rsample", "scale", "softplus_inverse"]
+
+MIN_SCALE = 1e-7
+"""Added to every softplus scale (as the reference): the scale and its log stay finite."""
 
 
 def softplus_inverse(x: float | Tensor) -> Tensor:
     """The ``rho`` with ``softplus(rho) == x`` (stable for small and large ``x``)."""
     x = torch.as_tensor(x, dtype=torch.float64)
     return torch.where(x > 20, x, torch.log(torch.expm1(x)))
+
+
+def scale(raw: Tensor) -> Tensor:
+    """The positive scale ``softplus(raw) + MIN_SCALE`` of a raw (unconstrained) parameter."""
+    return F.softplus(raw) + MIN_SCALE
+
+
+def raw_scale(value: float) -> float:
+    """The raw parameter whose :func:`scale` is ``value`` (the inverse, for initialisation)."""
+    return float(softplus_inverse(value - MIN_SCALE))
 
 
 def rsample(family: Posterior, loc: Tensor, scale: Tensor | None) -> Tensor:

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.wrappers.affine import Rank1Affine
+from bayesify.layers.affine import Rank1Affine
 
 __all__ = ["Rank1Conv", "Rank1ConvTranspose"]
 
@@ -28,34 +27,32 @@ _CONV_TRANSPOSE_FUNCTIONS = (F.conv_transpose1d, F.conv_transpose2d, F.conv_tran
 class _Rank1ConvBase(Rank1Affine):
     _functions: tuple[Callable, ...] = ()
 
-    def _rank1_features(self) -> tuple[int, int]:
+    def rank1_features(self) -> tuple[int, int]:
         return self.in_channels, self.out_channels
 
-    def _rank1_axes(self, x: Tensor) -> tuple[int | None, int]:
+    def rank1_axes(self, x: Tensor) -> tuple[int | None, int]:
         spatial = len(self.kernel_size)
         if x.dim() == spatial + 1:  # unbatched [C, *spatial]
             return None, 0
         return 0, 1
 
-    def _rank1_functional_handlers(self) -> dict[Callable, Callable]:
+    def rank1_functional_handlers(self) -> dict[Callable, Callable]:
         return {f: self._rank1_external(f) for f in self._functions}
 
 
 class Rank1Conv(_Rank1ConvBase):
     """Rank-1 ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` (``padding_mode`` respected)."""
 
-    source_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-    _rank1_known_forwards = (nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward)
+    rank1_known_forwards = (nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward)
     _functions = _CONV_FUNCTIONS
 
-    def _rank1_core(self, x: Tensor) -> Tensor:
+    def rank1_core(self, x: Tensor) -> Tensor:
         return self._conv_forward(x, self._parameters["weight"], None)
 
 
 class Rank1ConvTranspose(_Rank1ConvBase):
     """Rank-1 ``nn.ConvTranspose1d`` / ``2d`` / ``3d`` (``output_size`` passes through)."""
 
-    source_types = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
     _functions = _CONV_TRANSPOSE_FUNCTIONS
     # its forward computes output_padding from output_size: always run it, bias accounted for
 

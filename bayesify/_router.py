@@ -1,36 +1,46 @@
-"""Per-forward routing of batch rows to mixture components.
+"""Per-forward routing of batch rows to mixture components: the :class:`Router` of a converted model.
 
-A converted model owns one :class:`Rank1Context`, shared by all of its rank-1 layers. Hooks on
-the model's root module run around each forward pass:
+A converted model owns one :class:`Router`, shared by all of its converted layers, attached to
+the model's root module by two hooks that run around each forward pass:
 
-* before it, they choose the route (training: one random component per example; evaluation:
-  every example through every component, the mixture predictive; or whatever ``mode()`` set),
-  tile the inputs along the batch dimension when the route needs it, and store the component
-  index of every row, so that all layers route an example through the *same* component;
-* after it, they reduce tiled outputs to the mixture predictive when the route asks for it.
+* before it, the router resolves the route (training: one random component per example;
+  evaluation: every example through every component, the mixture predictive; or what ``mode()``
+  set), tiles the inputs along the batch when the route needs it, and records the component of
+  every row in a :class:`ForwardState`, so that every layer routes an example through the *same*
+  component;
+* after it, the router reduces tiled outputs to the mixture predictive when the route asks.
 
-Layers ask :meth:`Rank1Context.rows_for` for the component of each row of *their* input, which
-also covers layers that fold extra axes into the batch (window attention: ``[B * windows, ...]``).
+Layers ask :meth:`Router.rows_for` for the component of each row of *their* input, which also
+covers layers that fold extra axes into the batch (window attention: ``[B * windows, ...]``).
+
+The router keeps three things apart: the model's settings (its :class:`~bayesify.config.Rank1Config`),
+the ``mode()`` stack (:attr:`Router.overrides`), and the state of the forward pass in flight
+(:attr:`Router.state`). The member layout and reductions live in :mod:`bayesify.mixture`.
 
 A ``PackedSequence`` is one leaf: its batch is ``batch_sizes[0]`` sequences, tiled and reduced
-per sequence. A converted layer used as the model may say where the batch lies in each leaf of
-its inputs and outputs (``_rank1_input_axes`` / ``_rank1_output_axes``: one axis or None per
-leaf), e.g. an LSTM whose states ``[layers, B, H]`` have the batch elsewhere than its input.
+per sequence. A converted layer used as the model says where the batch lies in each leaf of
+its inputs and outputs (:meth:`~bayesify.layers.ConvertedLayer.rank1_input_axes` /
+``rank1_output_axes``), e.g. an LSTM whose states ``[layers, B, H]`` have the batch elsewhere.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
+from bayesify.mixture import reduce_members, split_members, tile
 from bayesify.options import Reduction, Route
 
-__all__ = ["Rank1Context", "RouteSpec"]
+if TYPE_CHECKING:
+    from bayesify.config import Rank1Config
+
+__all__ = ["ForwardState", "RouteSpec", "Router", "attach", "detach", "find_root", "find_router", "is_root"]
 
 
 @dataclass(frozen=True)
@@ -45,23 +55,37 @@ class RouteSpec:
 
 
 @dataclass
-class Rank1Context:
-    """State shared by the rank-1 layers of one converted model."""
+class ForwardState:
+    """The routing of the forward pass in flight (kept after it for a backward pass that recomputes it)."""
 
-    components: int
-    batch_dim: int = 0
-    reduction: Reduction = Reduction.LOGITS
-    # an explicit mode() in force (a stack: nested mode() calls restore the outer one)
-    overrides: list[RouteSpec] = field(default_factory=list)
-    # per-forward state, set by the root's pre-hook and cleared by its post-hook
-    active: bool = False
-    rows: Tensor | None = None
-    noise: bool = True
-    spec: RouteSpec | None = None
-    batch_size: int = 0
-    axis: int | None = 0  # batch axis of this forward's inputs (None: one unbatched example)
-    # weight-bearing modules left deterministic at conversion, with why (for summary())
-    skipped: dict[str, str] = field(default_factory=dict)
+    spec: RouteSpec
+    rows: Tensor  # component of every row of the routed batch
+    batch: int  # examples in the batch as given
+    axis: int | None  # batch axis of the inputs (None: one unbatched example)
+    members: int  # copies of each example in the routed batch (K * samples when tiled, else 1)
+
+
+@dataclass
+class Router:
+    """Routes the rows of every forward pass of one converted model (see the module doc)."""
+
+    config: Rank1Config
+    overrides: list[RouteSpec] = field(default_factory=list)  # the mode() stack: the last one is in force
+    state: ForwardState | None = None
+    active: bool = False  # inside the root's forward
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+    @property
+    def components(self) -> int:
+        return self.config.components
+
+    @property
+    def batch_dim(self) -> int:
+        return self.config.batch_dim
+
+    @property
+    def reduction(self) -> Reduction:
+        return self.config.reduction
 
     def resolve(self, training: bool) -> RouteSpec:
         spec = self.overrides[-1] if self.overrides else RouteSpec()
@@ -71,10 +95,12 @@ class Rank1Context:
 
     @property
     def tiles(self) -> int:
-        spec = self.spec
-        if spec is None or spec.route in (Route.SAMPLE, Route.COMPONENT):
-            return 1
-        return self.components * spec.samples
+        """Copies of each example in the routed batch of the forward pass in flight (1 when not tiled)."""
+        return self.state.members if self.active and self.state is not None else 1
+
+    @property
+    def rows(self) -> Tensor | None:
+        return None if self.state is None else self.state.rows
 
     def live(self) -> bool:
         """Whether a forward pass of the converted root is routing rows right now.
@@ -83,7 +109,12 @@ class Rank1Context:
         last forward (activation checkpointing): the recomputation must route every row through
         the component it went through, and torch's checkpoint replays the RNG, so the samples match.
         """
-        return self.active or (self.rows is not None and _in_backward())
+        return self.active or (self.state is not None and _in_backward())
+
+    @property
+    def noise(self) -> bool:
+        """Whether layers sample their factors now (outside a routed forward pass: always)."""
+        return self.state.spec.noise if self.live() and self.state is not None else True
 
     def rows_for(self, n: int, device: torch.device) -> Tensor:
         """Component index of each of the ``n`` rows of a layer's input."""
@@ -104,6 +135,8 @@ class Rank1Context:
     # ---- hooks on the root module ------------------------------------------------------------
 
     def begin(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        from bayesify.layers.base import ConvertedLayer
+
         spec = self.resolve(module.training)
         leaves, tree = tree_flatten((args, kwargs), is_leaf=_is_packed)
         first = next((t for t in leaves if isinstance(t, (Tensor, PackedSequence))), None)
@@ -113,7 +146,8 @@ class Rank1Context:
                 "pass the batch as a tensor argument."
             )
         # a converted layer used as the model knows its own layout (batch axis, or None if unbatched)
-        axis = module._rank1_batch_axis(first) if hasattr(module, "_rank1_batch_axis") else self.batch_dim
+        layer = module if isinstance(module, ConvertedLayer) else None
+        axis = layer.rank1_batch_axis(first) if layer is not None else self.batch_dim
         if axis is not None and isinstance(first, Tensor) and first.dim() <= axis:
             raise TypeError(
                 f"bayesify expects the batch at dimension {axis} of the model's first tensor input, which has "
@@ -123,65 +157,94 @@ class Rank1Context:
             batch, device = int(first.batch_sizes[0]), first.data.device
         else:
             batch, device = (1 if axis is None else first.shape[axis]), first.device
-        self.spec, self.noise, self.batch_size, self.active = spec, spec.noise, batch, True
-        self.axis = axis
+        self.active = True
         if spec.route is Route.SAMPLE:
-            self.rows = torch.randint(self.components, (batch,), device=device)
+            self.state = ForwardState(spec, torch.randint(self.components, (batch,), device=device), batch, axis, 1)
             return args, kwargs
         if spec.route is Route.COMPONENT:
-            self.rows = torch.full((batch,), spec.component, dtype=torch.long, device=device)
+            rows = torch.full((batch,), spec.component, dtype=torch.long, device=device)
+            self.state = ForwardState(spec, rows, batch, axis, 1)
             return args, kwargs
         # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B)
-        tiles = self.tiles
-        self.rows = torch.arange(self.components, device=device).repeat_interleave(spec.samples * batch)
+        members = self.components * spec.samples
+        rows = torch.arange(self.components, device=device).repeat_interleave(spec.samples * batch)
+        self.state = ForwardState(spec, rows, batch, axis, members)
 
-        if hasattr(module, "_rank1_input_axes"):
-            axes = module._rank1_input_axes(args, kwargs)
-        else:
+        axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
+        if axes is None:
             axes = [(0 if t is first else None) if axis is None else axis for t in leaves]
 
-        def tile(t: object, dim: int | None) -> object:
+        def tile_leaf(t: object, dim: int | None) -> object:
             if isinstance(t, PackedSequence):
-                return _tile_packed(t, tiles) if int(t.batch_sizes[0]) == batch else t
+                return _tile_packed(t, members) if int(t.batch_sizes[0]) == batch else t
             if not isinstance(t, Tensor) or dim is None:
                 return t
             if axis is None:  # one unbatched example: the members become the batch
-                return t.unsqueeze(dim).expand(*t.shape[:dim], tiles, *t.shape[dim:])
+                return t.unsqueeze(dim).expand(*t.shape[:dim], members, *t.shape[dim:])
             if t.dim() > dim and t.shape[dim] == batch:
-                return torch.cat([t] * tiles, dim=dim)
+                return tile(t, members, dim)
             return t
 
-        return tree_unflatten([tile(t, d) for t, d in zip(leaves, axes)], tree)
+        return tree_unflatten([tile_leaf(t, d) for t, d in zip(leaves, axes)], tree)
 
     def end(self, module: nn.Module, output: object) -> object:
-        spec, batch, tiles, axis = self.spec, self.batch_size, self.tiles, self.axis
-        # rows and noise stay for a backward pass that recomputes this forward (see live())
-        self.active, self.spec = False, None
-        if spec is None or spec.route is not Route.MIXTURE:
+        # rows stay in self.state for a backward pass that recomputes this forward (see live())
+        self.active = False
+        state = self.state
+        if state is None or state.spec.route is not Route.MIXTURE:
             return output
-        reduction = spec.reduction or self.reduction
+        members, batch, axis = state.members, state.batch, state.axis
+        reduction = state.spec.reduction or self.reduction
         leaves, tree = tree_flatten(output, is_leaf=_is_packed)
-        axes = _output_axes(module, output, len(leaves), axis)
+        axes = output_axes(module, output, len(leaves), axis)
 
         def reduce(t: object, dim: int | None) -> object:
             if isinstance(t, PackedSequence):
-                return _reduce_packed(t, tiles, batch, reduction)
+                return _reduce_packed(t, members, batch, reduction)
             if dim is None or not (
-                isinstance(t, Tensor) and t.is_floating_point() and t.dim() > dim and t.shape[dim] == tiles * batch
+                isinstance(t, Tensor) and t.is_floating_point() and t.dim() > dim and t.shape[dim] == members * batch
             ):
                 return t
             if axis is None:
-                return _reduce(t.movedim(dim, 0), reduction)
-            members = t.movedim(dim, 0).reshape(tiles, batch, *t.shape[:dim], *t.shape[dim + 1 :])
-            return _reduce(members, reduction).movedim(0, dim)
+                return reduce_members(t.movedim(dim, 0), reduction)
+            return reduce_members(split_members(t, members, dim), reduction)
 
         return tree_unflatten([reduce(t, d) for t, d in zip(leaves, axes)], tree)
 
+    def split(self, root: nn.Module, output: object) -> object:
+        """The output of the root's last tiled forward with a member axis in front of each batched leaf.
 
-def _output_axes(root: nn.Module, output: object, count: int, axis: int | None) -> list[int | None]:
+        A leaf of shape ``[..., members * B, ...]`` (batch at its own axis) becomes
+        ``[members, ..., B, ...]``: the members first, everything else as the model returns it.
+        An unbatched example's leaves become ``[members, ...]``. PackedSequences and leaves
+        without the tiled batch are returned as they are.
+        """
+        state = self.state
+        assert state is not None, "split() follows a routed forward pass"
+        batch, axis = state.batch, state.axis
+        leaves, tree = tree_flatten(output, is_leaf=_is_packed)
+        axes = output_axes(root, output, len(leaves), axis)
+
+        def split_leaf(t: object, dim: int | None) -> object:
+            if dim is None or not isinstance(t, Tensor) or t.dim() <= dim:
+                return t
+            if axis is None:
+                return t.movedim(dim, 0)
+            if t.shape[dim] % batch:
+                return t
+            return split_members(t, t.shape[dim] // batch, dim)
+
+        return tree_unflatten([split_leaf(t, d) for t, d in zip(leaves, axes)], tree)
+
+
+def output_axes(root: nn.Module, output: object, count: int, axis: int | None) -> list[int | None]:
     """The batch axis of each output leaf: the root layer's own statement, else the input's axis."""
-    if hasattr(root, "_rank1_output_axes"):
-        return root._rank1_output_axes(output)
+    from bayesify.layers.base import ConvertedLayer
+
+    if isinstance(root, ConvertedLayer):
+        axes = root.rank1_output_axes(output)
+        if axes is not None:
+            return axes
     return [0 if axis is None else axis] * count
 
 
@@ -223,7 +286,7 @@ def _reduce_packed(packed: PackedSequence, tiles: int, batch: int, reduction: Re
     position = torch.arange(step.numel(), device=device) - (torch.cumsum(sizes, 0) - sizes).to(device)[step]
     members = torch.arange(tiles, device=device) * batch
     index = offsets[step].unsqueeze(0) + unsorted_indices[members.unsqueeze(1) + order[position].unsqueeze(0)]
-    reduced = _reduce(data[index], reduction)
+    reduced = reduce_members(data[index], reduction)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(batch, device=device)
     return PackedSequence(reduced, sizes, order, inverse)
@@ -233,23 +296,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _reduce(members: Tensor, reduction: Reduction) -> Tensor:
-    """Reduce ``[members, B, ...]`` to ``[B, ...]``."""
-    count = members.shape[0]
-    if reduction is Reduction.MEAN:
-        return members.mean(0)
-    if reduction is Reduction.BINARY_LOGITS:
-        # logit(mean sigmoid) = log(mean p) - log(mean (1 - p)), both computed in log space
-        log_p = torch.logsumexp(torch.nn.functional.logsigmoid(members), 0)
-        log_q = torch.logsumexp(torch.nn.functional.logsigmoid(-members), 0)
-        return log_p - log_q
-    if members.shape[-1] == 1:
-        raise ValueError(
-            "reduction='logits' (log of the mean softmax) needs one output per class, but the model's output "
-            "has a single column; use reduction='binary_logits' for a one-logit binary classifier or "
-            "reduction='mean' for regression (convert(..., reduction=...) or bayesify.mode(..., reduction=...))."
-        )
-    return torch.logsumexp(torch.log_softmax(members.float(), -1), 0).to(members.dtype) - math.log(count)
+# ---- attaching a router to the root --------------------------------------------------------------
 
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -260,11 +307,13 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> 
     return module._rank1_context.end(module, output)
 
 
-def attach(root: nn.Module, context: Rank1Context) -> None:
-    """Install ``context`` on ``root`` with the hooks that route each forward pass."""
-    root._rank1_context = context
-    root.register_forward_pre_hook(_pre_hook, with_kwargs=True)
-    root.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+def attach(root: nn.Module, router: Router) -> None:
+    """Install ``router`` on ``root`` (as ``root._rank1_context``) with the hooks that route each forward pass."""
+    root._rank1_context = router
+    router.handles = [
+        root.register_forward_pre_hook(_pre_hook, with_kwargs=True),
+        root.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
+    ]
 
 
 def is_root(module: nn.Module) -> bool:
@@ -273,13 +322,11 @@ def is_root(module: nn.Module) -> bool:
 
 
 def detach(root: nn.Module) -> None:
-    """Remove the routing hooks that :func:`attach` installed (the context attribute stays)."""
-    for hooks, fn in ((root._forward_pre_hooks, _pre_hook), (root._forward_hooks, _post_hook)):
-        for key in [k for k, h in hooks.items() if h is fn]:
-            del hooks[key]
-            root._forward_hooks_with_kwargs.pop(key, None)
-            root._forward_pre_hooks_with_kwargs.pop(key, None)
-            root._forward_hooks_always_called.pop(key, None)
+    """Remove the routing hooks that :func:`attach` installed (the router attribute stays)."""
+    router: Router = root._rank1_context
+    for handle in router.handles:
+        handle.remove()
+    router.handles = []
 
 
 def find_root(model: nn.Module) -> nn.Module:
@@ -292,34 +339,12 @@ def find_root(model: nn.Module) -> nn.Module:
     )
 
 
-def find_context(model: nn.Module) -> Rank1Context:
-    """The routing context of a converted model (also through wrappers such as DDP)."""
+def find_router(model: nn.Module) -> Router:
+    """The router of a converted model (also through wrappers such as DDP)."""
     return find_root(model)._rank1_context
 
 
-def split_members(root: nn.Module, output: object) -> object:
-    """The output of the root's last tiled forward with a member axis in front of each batched leaf.
-
-    A leaf of shape ``[..., members * B, ...]`` (batch at its own axis) becomes
-    ``[members, ..., B, ...]``: the members first, everything else as the model returns it.
-
-    Uses the batch axis of that forward (a converted layer used as the model states one per
-    output, e.g. a sequence-first LSTM's states); an unbatched example's leaves become
-    ``[members, ...]``. PackedSequences and leaves without the tiled batch are returned as they are.
-    """
-    context: Rank1Context = root._rank1_context
-    batch, axis = context.batch_size, context.axis
-    leaves, tree = tree_flatten(output, is_leaf=_is_packed)
-    axes = _output_axes(root, output, len(leaves), axis)
-
-    def split(t: object, dim: int | None) -> object:
-        if dim is None or not isinstance(t, Tensor) or t.dim() <= dim:
-            return t
-        if axis is None:
-            return t.movedim(dim, 0)
-        if t.shape[dim] % batch:
-            return t
-        t = t.movedim(dim, 0)
-        return t.reshape(t.shape[0] // batch, batch, *t.shape[1:]).movedim(1, dim + 1)
-
-    return tree_unflatten([split(t, d) for t, d in zip(leaves, axes)], tree)
+def split_output(model: nn.Module, output: Any) -> Any:
+    """The last tiled forward's ``output`` of ``model`` with a member axis in front of each batched leaf."""
+    root = find_root(model)
+    return root._rank1_context.split(root, output)

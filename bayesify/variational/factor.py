@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.config import Rank1Config
 from bayesify.options import Init, Posterior
-from bayesify.priors import distributions, kl
+from bayesify.variational import distributions
+from bayesify.variational.kl import KLTerm, kl_divergence
+
+if TYPE_CHECKING:
+    from bayesify.config import Rank1Config
 
 __all__ = ["Rank1Factor"]
-
-_MIN_SCALE = 1e-7  # reference: softplus(rho) + 1e-7 keeps the scale and its log finite
 
 
 class Rank1Factor(nn.Module):
@@ -25,6 +27,11 @@ class Rank1Factor(nn.Module):
     Args:
         features: length of the factor (input channels for s, output channels for r).
         config: the conversion's options (posterior, prior, initialisation, clipping).
+
+    Example:
+        >>> factor = Rank1Factor(16, Rank1Config(components=4))
+        >>> factor.sample(torch.tensor([0, 3, 3]), noise=True).shape
+        torch.Size([3, 16])
     """
 
     def __init__(
@@ -59,16 +66,14 @@ class Rank1Factor(nn.Module):
         else:
             self.loc.normal_(identity, cfg.init_mean_std)
         if self.rho is not None:
-            self.rho.fill_(float(distributions.softplus_inverse(cfg.initial_std - _MIN_SCALE)))
+            self.rho.fill_(distributions.raw_scale(cfg.initial_std))
             if cfg.init_jitter > 0:
                 self.rho.add_(nn.init.trunc_normal_(torch.empty_like(self.rho), std=cfg.init_jitter))
 
     @property
     def scale(self) -> Tensor | None:
         """Posterior scale per component and entry (None for a delta posterior)."""
-        if self.rho is None:
-            return None
-        return F.softplus(self.rho) + _MIN_SCALE
+        return None if self.rho is None else distributions.scale(self.rho)
 
     def sample(self, rows: Tensor, noise: bool) -> Tensor:
         """One factor vector per row: ``[len(rows), features]``.
@@ -80,16 +85,23 @@ class Rank1Factor(nn.Module):
         loc = self.loc[rows]
         if not noise or self.rho is None:
             return loc
-        # softplus on the K x F table, then gather: cheaper than per row when the batch exceeds K
-        value = distributions.rsample(self.config.posterior, loc, (F.softplus(self.rho) + _MIN_SCALE)[rows])
+        # the scale on the K x F table, then gather: cheaper than per row when the batch exceeds K
+        value = distributions.rsample(self.config.posterior, loc, distributions.scale(self.rho)[rows])
         if self.config.clip is not None:
             value = value.clamp(-self.config.clip, self.config.clip)  # reference: heavy tails clipped to [-10, 10]
         return value
 
+    def kl_term(self) -> KLTerm | None:
+        """This factor's piece of the model's KL (None for a delta posterior)."""
+        if self.rho is None:
+            return None
+        cfg = self.config
+        return KLTerm(cfg.posterior, cfg.prior, cfg.prior_mean, cfg.prior_std, self.loc, self.rho)
+
     def kl_divergence(self) -> Tensor:
         """KL to the prior, summed over components and entries (as the reference)."""
         cfg = self.config
-        return kl.kl_divergence(cfg.posterior, self.loc, self.scale, cfg.prior, cfg.prior_mean, cfg.prior_std)
+        return kl_divergence(cfg.posterior, self.loc, self.scale, cfg.prior, cfg.prior_mean, cfg.prior_std)
 
     def extra_repr(self) -> str:
         cfg = self.config

@@ -41,9 +41,10 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten
 
 from bayesify.config import Rank1Config
+from bayesify.layers._scan import RecurrentScan, row_positions
+from bayesify.layers.base import Rank1Layer
+from bayesify.layers.rank1_op import rank1_affine
 from bayesify.options import Perturbation
-from bayesify.wrappers._scan import RecurrentScan, row_positions
-from bayesify.wrappers.base import Rank1Layer
 
 __all__ = ["Rank1RNN", "Rank1RNNCell"]
 
@@ -65,14 +66,14 @@ class _Rank1Recurrent(Rank1Layer):
         for kernel, weight in (("ih", w_ih), ("hh", w_hh), ("hr", w_hr)):
             if weight is None:
                 continue
-            setattr(self, f"rank1_s_{kernel}{tag}", self._rank1_new_factor(weight.shape[1], unclipped))
-            setattr(self, f"rank1_r_{kernel}{tag}", self._rank1_new_factor(weight.shape[0], unclipped))
-        bias = params.get(f"bias_ih{tag}")
-        if bias is not None:
-            zeros = torch.zeros(config.components, w_ih.shape[0], device=bias.device, dtype=bias.dtype)
-            setattr(self, f"rank1_bias_ih{tag}", nn.Parameter(zeros))
-            if self._rank1_mode == "GRU":
-                setattr(self, f"rank1_bias_hh{tag}", nn.Parameter(zeros.clone()))
+            setattr(self, f"rank1_s_{kernel}{tag}", self.rank1_factor(weight.shape[1], unclipped))
+            setattr(self, f"rank1_r_{kernel}{tag}", self.rank1_factor(weight.shape[0], unclipped))
+        gates = w_ih.shape[0]
+        if self._rank1_mode == "GRU":  # the recurrent bias stays on the recurrent side: offsets of its own
+            self.rank1_bias_offset(f"rank1_bias_ih{tag}", gates, f"bias_ih{tag}")
+            self.rank1_bias_offset(f"rank1_bias_hh{tag}", gates, f"bias_hh{tag}")
+        else:  # LSTM / RNN: both biases are added to the gates, one offset for their sum
+            self.rank1_bias_offset(f"rank1_bias_ih{tag}", gates, f"bias_ih{tag}", f"bias_hh{tag}")
 
     # ---- per-forward samples ----------------------------------------------------------------
 
@@ -83,29 +84,30 @@ class _Rank1Recurrent(Rank1Layer):
         ``n``, so samples stay fixed across time steps and repeated calls (the reference draws
         once per sequence).
         """
-        ctx = self._rank1_context
-        rows, noise = self._rank1_rows(n, device)
-        cache = self.__dict__.get("_rank1_cache")
-        key = (n, noise, device)
-        if ctx.active and cache is not None and cache[0] is ctx.rows and key in cache[1]:
+        state = self.rank1_state
+        router = state.router
+        draw = self.rank1_draw(n, device)
+        cache = state.cache
+        key = (n, draw.noise, device)
+        if router.active and cache is not None and cache[0] is router.rows and key in cache[1]:
             return cache[1][key]
-        draws = {name: factor.sample(rows, noise) for name, factor in self.rank1_factors()}
+        draws = {name: draw.sample(factor) for name, factor in self.rank1_factors()}
         for name, param in self._parameters.items():
             if name.startswith("rank1_bias") and param is not None:
-                draws[name] = param[rows]
-        if ctx.active:
-            if cache is None or cache[0] is not ctx.rows:
-                cache = (ctx.rows, {})
-                self.__dict__["_rank1_cache"] = cache
+                draws[name] = draw.gather(param)
+        if router.active:
+            if cache is None or cache[0] is not router.rows:
+                cache = (router.rows, {})
+                state.cache = cache
             cache[1][key] = draws
         return draws
 
     def _rank1_tile_state(self, state: Tensor, batch: int, dim: int) -> Tensor:
         """An initial state given for the B examples of a tiled (K x B) batch: the same for every member."""
-        ctx = self._rank1_context
+        tiles = self.rank1_state.router.tiles
         size = state.shape[dim]
-        if size != batch and ctx.active and ctx.tiles > 1 and size * ctx.tiles == batch:
-            return torch.cat([state] * ctx.tiles, dim)
+        if size != batch and tiles > 1 and size * tiles == batch:
+            return torch.cat([state] * tiles, dim)
         return state
 
     # ---- maths ------------------------------------------------------------------------------
@@ -123,26 +125,29 @@ class _Rank1Recurrent(Rank1Layer):
         params, additive, mode = self._parameters, self._rank1_additive, self._rank1_mode
         batch = draws[f"rank1_s_ih{tag}"].shape[0]
 
-        def per_row(v: Tensor) -> Tensor:  # [B, F] -> broadcastable against the rows
-            if pos is None:
-                return v.unsqueeze(0)
-            return v.index_select(0, pos)
+        def per_row(v: Tensor) -> Tensor:  # [B, F] -> one per row of the layout below
+            return v if pos is None else v.index_select(0, pos)
 
+        # uniform layout: [steps, B, F], batch at axis 1; packed: [N, F] rows, factors gathered per row
         rows = x.view(steps, batch, -1) if pos is None else x
-        s, r = per_row(draws[f"rank1_s_ih{tag}"]), per_row(draws[f"rank1_r_ih{tag}"])
-        y = F.linear(rows + s if additive else rows * s, params[f"weight_ih{tag}"])
         offset: Tensor | None = params.get(f"bias_ih{tag}")
         if offset is not None:
             if mode != "GRU":  # GRU keeps b_hh on the recurrent side (inside r o (...))
                 offset = offset + params[f"bias_hh{tag}"]
             offset = offset + per_row(draws[f"rank1_bias_ih{tag}"])
-        if additive:
-            y = y + r
-            if mode != "GRU":  # the recurrent r_hh is a constant shift of the gates: added here once
-                y = y + per_row(draws[f"rank1_r_hh{tag}"])
-            out = y if offset is None else y + offset
-        else:
-            out = y * r if offset is None else torch.addcmul(offset, y, r)
+        if additive and mode != "GRU":  # the recurrent r_hh is a constant shift of the gates: added here once
+            r_hh = per_row(draws[f"rank1_r_hh{tag}"])
+            offset = r_hh if offset is None else offset + r_hh
+        out = rank1_affine(
+            rows,
+            lambda v: F.linear(v, params[f"weight_ih{tag}"]),
+            per_row(draws[f"rank1_s_ih{tag}"]),
+            per_row(draws[f"rank1_r_ih{tag}"]),
+            offset,
+            additive=additive,
+            batch_axis=1 if pos is None else 0,
+            channel_axis=-1,
+        )
         return out.reshape(x.shape[0], -1)
 
     def _rank1_scan(
@@ -183,33 +188,22 @@ class _Rank1Recurrent(Rank1Layer):
         torch itself inserts the batch axis."""
         raise NotImplementedError
 
-    def _rank1_batch_axis(self, x: Any) -> int | None:
+    def rank1_batch_axis(self, x: Any) -> int | None:
         if isinstance(x, PackedSequence):
             return 1  # the states' axis; the sequences themselves are tiled as a PackedSequence
         return self._rank1_io_axes(x)[0] if x.dim() == self._rank1_batched_dim else None
 
-    def _rank1_input_axes(self, args: tuple, kwargs: dict) -> list[int | None]:
+    def rank1_input_axes(self, args: tuple, kwargs: dict) -> list[int | None]:
         leaves, _ = tree_flatten((args, kwargs), is_leaf=lambda v: isinstance(v, PackedSequence))
         x = args[0] if args else kwargs.get("input")
         x_axis, state_axis = self._rank1_io_axes(x)
         return [x_axis if leaf is x else state_axis for leaf in leaves]
 
-    def _rank1_output_axes(self, output: Any) -> list[int | None]:
+    def rank1_output_axes(self, output: Any) -> list[int | None]:
         leaves, _ = tree_flatten(output, is_leaf=lambda v: isinstance(v, PackedSequence))
         first = leaves[0] if leaves else None
         x_axis, state_axis = self._rank1_io_axes(first)
         return [x_axis if i == 0 else state_axis for i in range(len(leaves))]
-
-    # ---- plumbing ---------------------------------------------------------------------------
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(super().__getstate__())
-        state.pop("_rank1_cache", None)  # draws of the last forward pass: not state
-        return state
-
-    def revert(self) -> nn.Module:
-        self.__dict__.pop("_rank1_cache", None)
-        return super().revert()
 
 
 class Rank1RNN(_Rank1Recurrent):
@@ -229,8 +223,6 @@ class Rank1RNN(_Rank1Recurrent):
         Dusenberry et al., ICML 2020; edward2 ``LSTMCellRank1``.
     """
 
-    source_types = (nn.LSTM, nn.GRU, nn.RNN)
-
     @property
     def _rank1_mode(self) -> str:  # type: ignore[override]
         return self.mode
@@ -246,7 +238,7 @@ class Rank1RNN(_Rank1Recurrent):
         directions = ("", "_reverse") if self.bidirectional else ("",)
         return [f"_l{layer}{suffix}" for layer in range(self.num_layers) for suffix in directions]
 
-    def _rank1_setup(self, config: Rank1Config) -> None:
+    def rank1_setup(self, config: Rank1Config) -> None:
         if self.mode not in _GATES:
             raise TypeError(f"{type(self).__name__} has mode={self.mode!r}; rank-1 supports {sorted(_GATES)}.")
         for tag in self._rank1_tags():
@@ -366,8 +358,6 @@ class Rank1RNNCell(_Rank1Recurrent):
         Dusenberry et al., ICML 2020; edward2 ``LSTMCellRank1``.
     """
 
-    source_types = (nn.LSTMCell, nn.GRUCell, nn.RNNCell)
-
     @property
     def _rank1_mode(self) -> str:  # type: ignore[override]
         if isinstance(self, nn.LSTMCell):
@@ -381,7 +371,7 @@ class Rank1RNNCell(_Rank1Recurrent):
     def _rank1_io_axes(self, x: Any) -> tuple[int, int]:
         return 0, 0
 
-    def _rank1_setup(self, config: Rank1Config) -> None:
+    def rank1_setup(self, config: Rank1Config) -> None:
         if isinstance(self, nn.RNNCell) and self.nonlinearity not in ("tanh", "relu"):
             raise ValueError(f"RNNCell nonlinearity={self.nonlinearity!r} is not 'tanh' or 'relu'.")
         self._rank1_add_kernels("", config)

@@ -35,7 +35,7 @@ class InterceptedWeight(Tensor):
         leaves, _ = tree_flatten((args, kwargs))
         layer = next((t._rank1_layer for t in leaves if isinstance(t, InterceptedWeight)), None)
         if layer is not None:
-            handler = layer._rank1_functional_handlers().get(func)
+            handler = layer.rank1_functional_handlers().get(func)
             if handler is not None:
                 result = handler(args, kwargs)
                 if result is not NotImplemented:
@@ -44,7 +44,7 @@ class InterceptedWeight(Tensor):
             result = func(*args, **kwargs)
         if layer is not None and any(isinstance(t, Tensor) for t in tree_flatten(result)[0]):
             # a compute use the layer cannot take over: remembered for summary()
-            layer.__dict__.setdefault("_rank1_bypassed_by", set()).add(getattr(func, "__name__", repr(func)))
+            layer.rank1_state.bypassed_by.add(getattr(func, "__name__", repr(func)))
         return result
 
 

@@ -1,6 +1,6 @@
 """Gaussian variational embeddings for ``nn.Embedding`` and ``nn.EmbeddingBag`` (opt-in).
 
-Not a rank-1 layer: as the paper's MIMIC-III model, every embedding vector gets a Normal
+A converted layer but not a rank-1 one: as the paper's MIMIC-III model, every embedding vector gets a Normal
 posterior ``N(w_i, diag(sigma_i^2))`` whose mean is the original (shared) weight row and whose
 std ``sigma_i = softplus(rho_i) + 1e-7`` is learned (``rank1_rho``, one per entry), with a KL
 to a ``Normal(0, embedding_prior_std)`` prior. Enabled by ``convert(model, embeddings=True)``;
@@ -24,20 +24,22 @@ References:
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bayesify.config import Rank1Config
-from bayesify.priors import distributions, kl
-from bayesify.wrappers.base import Rank1Layer
+from bayesify.layers.base import ConvertedLayer
+from bayesify.options import Posterior, Prior
+from bayesify.variational import distributions
+from bayesify.variational.kl import KLTerm
 
 __all__ = ["GaussianEmbedding"]
 
-_MIN_SCALE = 1e-7
 
-
-class GaussianEmbedding(Rank1Layer):
+class GaussianEmbedding(ConvertedLayer):
     """``nn.Embedding`` / ``nn.EmbeddingBag`` with a Normal over each embedding vector.
 
     Example:
@@ -48,17 +50,14 @@ class GaussianEmbedding(Rank1Layer):
         Dusenberry et al., ICML 2020, Sec. 5.4; edward2 ``EmbeddingReparameterization``.
     """
 
-    source_types = (nn.Embedding, nn.EmbeddingBag)
-
-    def _rank1_setup(self, config: Rank1Config) -> None:
+    def rank1_setup(self, config: Rank1Config) -> None:
         weight = self._parameters["weight"]
-        raw = float(distributions.softplus_inverse(config.initial_std - _MIN_SCALE))
-        self.rank1_rho = nn.Parameter(torch.full_like(weight, raw))
+        self.rank1_rho = nn.Parameter(torch.full_like(weight, distributions.raw_scale(config.initial_std)))
 
     @property
     def rank1_std(self) -> Tensor:
         """Posterior std of every entry of the table, ``[num_embeddings, embedding_dim]``."""
-        return F.softplus(self.rank1_rho) + _MIN_SCALE
+        return distributions.scale(self.rank1_rho)
 
     def _rank1_noisy_rows(self) -> Tensor | None:
         padding = self.padding_idx
@@ -68,25 +67,24 @@ class GaussianEmbedding(Rank1Layer):
         keep[padding] = False
         return keep
 
-    def kl_divergence(self) -> Tensor:
-        """KL(N(w, sigma^2) || N(0, prior_std^2)), summed over every entry (padding row excluded)."""
-        cfg = self.rank1_config
-        terms = kl.kl_normal_normal(self._parameters["weight"], self.rank1_std, 0.0, cfg.embedding_prior_std)
+    def rank1_kl_terms(self) -> Iterator[KLTerm]:
+        """KL(N(w, sigma^2) || N(0, prior_std^2)) of every entry (the padding row excluded)."""
+        weight, rho = self._parameters["weight"], self.rank1_rho
         keep = self._rank1_noisy_rows()
-        return terms.sum() if keep is None else terms[keep].sum()
+        if keep is not None:
+            weight, rho = weight[keep], rho[keep]
+        yield KLTerm(Posterior.NORMAL, Prior.NORMAL, 0.0, self.rank1_config.embedding_prior_std, weight, rho)
 
     def forward(self, input: Tensor, *args: object, **kwargs: object) -> Tensor:
         base = type(self).__rank1_base__
-        ctx = self._rank1_context
-        noise = ctx.noise if ctx.live() else True
-        if not noise:
+        if not self.rank1_state.router.noise:
             return base.forward(self, input, *args, **kwargs)
         weight = self._parameters["weight"]
         # one sample of the rows this batch uses: gather them (torch's own renorm / padding / sparse
         # gradient rules), add noise, and look the batch up in that small sampled table
         unique, inverse = torch.unique(input, return_inverse=True)
         means = F.embedding(unique, weight, self.padding_idx, self.max_norm, self.norm_type, False, self.sparse)
-        std = F.softplus(F.embedding(unique, self.rank1_rho, sparse=self.sparse)) + _MIN_SCALE
+        std = distributions.scale(F.embedding(unique, self.rank1_rho, sparse=self.sparse))
         padding = None
         if self.padding_idx is not None:
             is_pad = unique == self.padding_idx

@@ -7,7 +7,7 @@ from typing import Callable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.wrappers.affine import Rank1Affine
+from bayesify.layers.affine import Rank1Affine
 
 __all__ = ["Rank1Linear"]
 
@@ -23,19 +23,18 @@ class Rank1Linear(Rank1Affine):
         Dusenberry et al., ICML 2020, Eq. 1; edward2 ``DenseRank1``.
     """
 
-    source_types = (nn.Linear,)
-    _rank1_known_forwards = (nn.Linear.forward,)
+    rank1_known_forwards = (nn.Linear.forward,)
 
-    def _rank1_features(self) -> tuple[int, int]:
+    def rank1_features(self) -> tuple[int, int]:
         return self.in_features, self.out_features
 
-    def _rank1_axes(self, x: Tensor) -> tuple[int | None, int]:
+    def rank1_axes(self, x: Tensor) -> tuple[int | None, int]:
         if x.dim() < 2:
             return None, -1
-        return min(self._rank1_context.batch_dim, x.dim() - 2), -1
+        return min(self.rank1_config.batch_dim, x.dim() - 2), -1
 
-    def _rank1_core(self, x: Tensor) -> Tensor:
+    def rank1_core(self, x: Tensor) -> Tensor:
         return F.linear(x, self._parameters["weight"])
 
-    def _rank1_functional_handlers(self) -> dict[Callable, Callable]:
+    def rank1_functional_handlers(self) -> dict[Callable, Callable]:
         return {F.linear: self._rank1_external(F.linear)}

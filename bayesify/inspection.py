@@ -1,0 +1,61 @@
+"""Questions about a model: which of its layers are converted, what bayesify added, K.
+
+These find converted layers by ``isinstance``, so a user's own layer families join for free,
+and work through wrappers such as DDP or ``torch.compile``'s ``OptimizedModule``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+from torch import nn
+
+from bayesify.layers.base import ConvertedLayer
+
+__all__ = ["NORM_LAYERS", "inside", "is_converted", "num_components", "rank1_layers", "rank1_parameters"]
+
+NORM_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+"""Normalisation layers: deterministic by design (as in the paper), covered by the optional L2 on norm layers."""
+
+
+def rank1_layers(model: nn.Module) -> Iterator[tuple[str, ConvertedLayer]]:
+    """``(qualified name, layer)`` for every converted layer in ``model`` (rank-1 layers and Gaussian embeddings)."""
+    for name, module in model.named_modules():
+        if isinstance(module, ConvertedLayer):
+            yield name, module
+
+
+def rank1_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+    """The parameters bayesify added (factor locations/scales, per-component bias offsets, embedding scales)."""
+    seen: set[int] = set()
+    for _, layer in rank1_layers(model):
+        for p in layer.rank1_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield p
+
+
+def is_converted(model: nn.Module) -> bool:
+    """Whether ``model`` holds at least one converted layer."""
+    return next(rank1_layers(model), None) is not None
+
+
+def num_components(model: nn.Module) -> int:
+    """K, the number of mixture components of a converted model; 1 for a model with no rank-1 layers.
+
+    Works on wrappers such as DDP and on any part of a converted model, so evaluation code can
+    size its member axis (``[K * samples, ...]`` from :func:`bayesify.predict`) for any model.
+    """
+    first = next(rank1_layers(model), None)
+    return 1 if first is None else first[1].rank1_config.components
+
+
+def inside(name: str, prefixes: Iterable[str]) -> bool:
+    """Whether module ``name`` lies strictly below one of the modules ``prefixes`` ("" is the root)."""
+    return any(p == "" and name != "" or name.startswith(p + ".") for p in prefixes if p != name)

@@ -1,0 +1,289 @@
+"""The contract of every converted layer, and how a module becomes one in place.
+
+A converted layer is the *same module object* with its class swapped for a generated subclass
+``Rank1<Original>`` of both the bayesify layer class (e.g. :class:`~bayesify.layers.Rank1Linear`)
+and the module's own class (e.g. timm's ``StdConv2d``), the way ``torch.nn.utils.parametrize``
+does it. Hence:
+
+* the original Parameters stay where they were (same objects, same ``state_dict`` keys), so an
+  optimizer built before conversion and a pretrained checkpoint still apply;
+* ``isinstance(layer, nn.Conv2d)`` and the original class's own ``forward`` (weight
+  standardisation, same padding) still hold; hooks, device, dtype and ``training`` are kept;
+* new state is only added, and every name bayesify adds starts with ``rank1_``.
+
+**The contract** (what a layer family implements; see ``docs/ARCHITECTURE.md`` for a complete
+example of a user's own layer):
+
+* :meth:`ConvertedLayer.rank1_setup` (required): create the factors with :meth:`rank1_factor` and
+  the per-component bias offsets with :meth:`rank1_bias_offset`.
+* ``forward``: ask :meth:`rank1_draw` for this call's routing, sample the factors, and compute
+  with :func:`bayesify.layers.rank1_affine` (the one rank-1 op).
+* optional, with defaults: :meth:`rank1_batch_axis`, :meth:`rank1_input_axes`,
+  :meth:`rank1_output_axes` (where the batch lies when the layer is itself the model),
+  :meth:`rank1_kl_terms` (default: the factors' KL), :attr:`rank1_intercepted` with
+  :meth:`rank1_functional_handlers` (weights other code uses directly), :meth:`revert`.
+
+Per-layer state lives in one object, :class:`LayerState` (``layer.rank1_state``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from bayesify._router import Router
+from bayesify.config import Rank1Config
+from bayesify.layers._intercept import intercept
+from bayesify.variational.factor import Rank1Factor
+from bayesify.variational.kl import KLTerm, total_kl
+
+__all__ = ["ConvertedLayer", "Draw", "LayerState", "Rank1Layer", "rank1_class"]
+
+_GENERATED: dict[tuple[type, type], type] = {}
+
+
+def rank1_class(layer_class: type["ConvertedLayer"], base: type[nn.Module]) -> type:
+    """The generated subclass of ``layer_class`` and ``base`` (cached, so one class per pair)."""
+    key = (layer_class, base)
+    if key not in _GENERATED:
+        name = f"Rank1{base.__name__}"
+        cls = type(name, (layer_class, base), {"__rank1_wrapper__": layer_class, "__rank1_base__": base})
+        cls.__qualname__ = name
+        cls.__module__ = layer_class.__module__
+        _GENERATED[key] = cls
+    return _GENERATED[key]
+
+
+def _parameter(module: nn.Module, name: str) -> nn.Parameter | None:
+    """The parameter ``name`` (dotted, relative to ``module``) or None, without ``__getattr__``."""
+    module_name, _, param = name.rpartition(".")
+    owner = module.get_submodule(module_name) if module_name else module
+    return owner._parameters.get(param)
+
+
+def _rebuild(layer_class: type["ConvertedLayer"], base: type[nn.Module]) -> nn.Module:
+    """Unpickling: an empty instance of the generated class (its state is set right after)."""
+    cls = rank1_class(layer_class, base)
+    return cls.__new__(cls)
+
+
+@dataclass
+class LayerState:
+    """Everything bayesify keeps on one converted layer (``layer.rank1_state``)."""
+
+    config: Rank1Config
+    router: Router  # shared by every layer of the model
+    bias_offsets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # rank1_bias*: the biases it offsets
+    busy: bool = False  # inside the base class's own forward: its weight reads are plain
+    cache: Any = None  # per-forward draws held across calls (recurrent layers)
+    bypassed_by: set[str] = field(default_factory=set)  # functions that used the weight directly (summary)
+    intercepted_by: str | None = None  # the last function whose use of the weight was routed here
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["cache"] = None  # draws of the last forward pass are not state
+        return state
+
+
+@dataclass(frozen=True)
+class Draw:
+    """How one call of a layer is routed: the component of each row and whether to sample.
+
+    Example:
+        >>> draw = self.rank1_draw(x.shape[0], x.device)
+        >>> s = draw.sample(self.rank1_s)          # [n, in_features], one vector per row
+    """
+
+    rows: Tensor
+    noise: bool
+
+    def sample(self, factor: Rank1Factor) -> Tensor:
+        """One value of ``factor`` per row, ``[n, features]``, from each row's component."""
+        return factor.sample(self.rows, self.noise)
+
+    def gather(self, table: Tensor) -> Tensor:
+        """Row ``k`` of a ``[K, ...]`` per-component table for each row: ``[n, ...]``."""
+        return table[self.rows]
+
+
+class ConvertedLayer(nn.Module):
+    """Mixin base of every layer bayesify converts; found by ``isinstance`` by the model-level helpers.
+
+    Never instantiated directly: :meth:`from_module` (what :func:`bayesify.convert` calls) turns
+    an existing module into one. See the module doc for the contract.
+    """
+
+    rank1_intercepted: ClassVar[tuple[str, ...]] = ()
+    """Attributes (weights) that code outside the layer may use in its own maths; see ``_intercept.py``."""
+    __rank1_wrapper__: type["ConvertedLayer"]
+    __rank1_base__: type[nn.Module]
+
+    @classmethod
+    def from_module(cls, module: nn.Module, config: Rank1Config, router: Router) -> nn.Module:
+        """Make ``module`` a converted layer in place (same object, same Parameters) and return it."""
+        if isinstance(module, ConvertedLayer):
+            raise ValueError(f"{type(module).__name__} is already a rank-1 layer; convert each layer once.")
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"{type(module).__name__} has uninitialized (lazy) parameters, so its shape is unknown; run one "
+                "forward pass on an example batch before bayesify.convert()."
+            )
+        module.__class__ = rank1_class(cls, type(module))
+        module.__dict__["rank1_state"] = LayerState(config, router)
+        try:
+            module.rank1_setup(config)
+        except Exception:
+            module.revert()
+            raise
+        return module
+
+    # ---- the contract ------------------------------------------------------------------------
+
+    def rank1_setup(self, config: Rank1Config) -> None:
+        """Create this layer's factors (:meth:`rank1_factor`) and bias offsets (:meth:`rank1_bias_offset`)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement rank1_setup(config).")
+
+    def rank1_batch_axis(self, x: Any) -> int | None:
+        """Where the batch lies in this layer's first input (None: one unbatched example).
+
+        Used when the layer is itself the converted model; default: the conversion's ``batch_dim``.
+        """
+        return self.rank1_config.batch_dim
+
+    def rank1_input_axes(self, args: tuple, kwargs: dict) -> list[int | None] | None:
+        """The batch axis of each tensor leaf of ``(args, kwargs)`` (flattened in that order), or None
+        for the model's ``batch_dim`` on every leaf. Used when the layer is itself the converted model."""
+        return None
+
+    def rank1_output_axes(self, output: Any) -> list[int | None] | None:
+        """The batch axis of each tensor leaf of the layer's output, or None for the input's batch axis."""
+        return None
+
+    def rank1_kl_terms(self) -> Iterator[KLTerm]:
+        """This layer's pieces of the model's KL divergence; default: one per (non-delta) factor."""
+        for _, factor in self.rank1_factors():
+            term = factor.kl_term()
+            if term is not None:
+                yield term
+
+    def rank1_functional_handlers(self) -> dict[Callable, Callable]:
+        """``{torch function: handler(args, kwargs)}`` for calls on an intercepted weight (see ``_intercept.py``)."""
+        return {}
+
+    # ---- helpers for layer families ------------------------------------------------------------
+
+    @property
+    def rank1_state(self) -> LayerState:
+        return self.__dict__["rank1_state"]
+
+    @property
+    def rank1_config(self) -> Rank1Config:
+        """The options this layer was converted with."""
+        return self.rank1_state.config
+
+    @property
+    def _rank1_context(self) -> Router:  # the name of earlier releases
+        return self.rank1_state.router
+
+    @_rank1_context.setter
+    def _rank1_context(self, router: Router) -> None:  # a converted layer that is itself the root
+        self.rank1_state.router = router
+
+    def rank1_draw(self, n: int, device: torch.device) -> Draw:
+        """The routing of a call on ``n`` rows: each row's component (shared by every layer of the
+        model within one forward pass) and whether to sample."""
+        router = self.rank1_state.router
+        return Draw(router.rows_for(n, device), router.noise)
+
+    def rank1_factor(self, features: int, config: Rank1Config | None = None) -> Rank1Factor:
+        """A new factor of ``features`` entries (K components), on this layer's device and dtype."""
+        like = next(self.parameters(recurse=False), None)
+        kwargs: dict[str, Any] = {}
+        if like is not None:
+            kwargs = {"device": like.device, "dtype": like.dtype if like.is_floating_point() else None}
+        return Rank1Factor(features, config or self.rank1_config, **kwargs)
+
+    def rank1_bias_offset(self, name: str, features: int, *biases: str) -> nn.Parameter | None:
+        """Declare ``name``: per-component offsets ``[K, features]`` (zero at init) of the original biases.
+
+        Component k's effective bias is ``sum(biases) + offset[k]`` (the reference's own bias per
+        component; here the original bias stays the shared, live Parameter). ``biases`` are the
+        names of the original bias parameters, relative to this layer (``"bias"``,
+        ``"out_proj.bias"``); the L2 prior is taken on the effective bias. If none of them exists
+        (``bias=False``), no offset is created and None is registered.
+        """
+        present = tuple(b for b in biases if _parameter(self, b) is not None)
+        if not present:
+            self.register_parameter(name, None)
+            return None
+        like = _parameter(self, present[0])
+        offset = nn.Parameter(torch.zeros(self.rank1_config.components, features, device=like.device, dtype=like.dtype))
+        self.register_parameter(name, offset)
+        self.rank1_state.bias_offsets[name] = present
+        return offset
+
+    def rank1_bias_offsets(self) -> Iterator[tuple[nn.Parameter, list[nn.Parameter]]]:
+        """``(offset, [the original biases it offsets])`` for every declared bias offset."""
+        for name, biases in self.rank1_state.bias_offsets.items():
+            offset = self._parameters.get(name)
+            if offset is not None:
+                yield offset, [_parameter(self, b) for b in biases]
+
+    def rank1_factors(self) -> Iterator[tuple[str, Rank1Factor]]:
+        """The ``(name, factor)`` pairs of this layer."""
+        for name, child in self.named_children():
+            if isinstance(child, Rank1Factor):
+                yield name, child
+
+    def rank1_parameters(self) -> Iterator[nn.Parameter]:
+        """The parameters bayesify added to this layer (factors, bias offsets and the like)."""
+        for _, factor in self.rank1_factors():
+            yield from factor.parameters()
+        for name, p in self.named_parameters(recurse=False):
+            if name.startswith("rank1_"):
+                yield p
+
+    def kl_divergence(self) -> Tensor:
+        """KL of this layer's posteriors to their priors, summed over components and entries."""
+        total = total_kl(self.rank1_kl_terms())
+        if total is None:
+            p = next(self.parameters(), None)
+            return torch.zeros((), device=None if p is None else p.device)
+        return total
+
+    def revert(self) -> nn.Module:
+        """Undo the conversion in place: the original class, with only its original state."""
+        for name, _ in list(self.rank1_factors()):
+            delattr(self, name)
+        for name in [n for n in self._parameters if n.startswith("rank1_")]:
+            del self._parameters[name]
+        self.__dict__.pop("rank1_state", None)
+        self.__class__ = type(self).__rank1_base__
+        return self
+
+    # ---- plumbing ---------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        value = super().__getattr__(name)
+        if name in type(self).rank1_intercepted:
+            state = self.__dict__.get("rank1_state")
+            if state is not None and state.router.live() and not state.busy:
+                return intercept(value, self)
+        return value
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # the generated class is not importable by name: rebuild it from (layer class, base)
+        cls = type(self)
+        return (_rebuild, (cls.__rank1_wrapper__, cls.__rank1_base__), self.__getstate__())
+
+
+class Rank1Layer(ConvertedLayer):
+    """Base of the layers whose weights get rank-1 factors: ``W' = W o (r s^T)`` per mixture component.
+
+    Subclass it for a layer family of your own (register it with ``convert(model,
+    mapping={**bayesify.default_mapping(), YourLayer: YourRank1Layer})``): implement
+    :meth:`rank1_setup` and ``forward`` as in ``docs/ARCHITECTURE.md``.
+    """
