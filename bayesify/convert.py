@@ -213,7 +213,7 @@ def convert(
     for source, layer_class in table.items():
         if not (isinstance(layer_class, type) and issubclass(layer_class, ConvertedLayer)):
             raise TypeError(
-                f"mapping[{source.__name__}]={layer_class!r} must be a subclass of bayesify.Rank1Layer "
+                f"mapping[{source.__name__}]={layer_class!r} must be a subclass of bayesify.layers.Rank1Layer "
                 "(or bayesify.layers.ConvertedLayer)."
             )
     includes, excludes = _as_patterns("include", include), _as_patterns("exclude", exclude)

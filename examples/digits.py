@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import bayesify
-from bayesify.data import load_data
+from bayesify.zoo.data import load_data
 from bayesify.evaluation import evaluate
 from bayesify.training import TrainConfig, Trainer
 

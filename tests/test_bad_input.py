@@ -35,7 +35,7 @@ def _net() -> nn.Module:
         (dict(include="encoder.*"), ValueError, r"\['encoder\.\*'\] matched no convertible module"),
         (dict(exclude=["0", "nope"]), ValueError, r"\['nope'\] matched no"),
         (dict(include=3), TypeError, r"include=3 must be a string or a list of strings"),
-        (dict(mapping={nn.Linear: nn.Linear}), TypeError, r"mapping\[Linear\]=.* must be a subclass of bayesify.wrappers.Rank1Layer"),
+        (dict(mapping={nn.Linear: nn.Linear}), TypeError, r"mapping\[Linear\]=.* must be a subclass of bayesify.layers.Rank1Layer"),
     ],
 )
 def test_invalid_options(kwargs: dict, error: type, match: str) -> None:

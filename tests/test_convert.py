@@ -10,7 +10,7 @@ import torch.nn.utils.prune
 from torch import nn
 
 import bayesify
-from bayesify.wrappers import Rank1Layer, Rank1Linear
+from bayesify.layers import Rank1Layer, Rank1Linear
 
 
 def _mlp() -> nn.Module:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from PIL import Image
 
-from bayesify.data import DataKind, InMemoryDataset, load_data
+from bayesify.zoo.data import DataKind, InMemoryDataset, load_data
 
 
 def test_digits():

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from bayesify.models import RepeatChannels, create_model
+from bayesify.zoo.models import RepeatChannels, create_model
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "resnet18", "timm:resnet18", "torchvision:resnet18"])
@@ -53,7 +53,7 @@ def test_module_factory(tmp_path, monkeypatch):
         ("resnet1888", {}, "model='resnet1888' is not a built-in .* 'package.module:factory'"),
         ("resnet18", {"kind": "signal", "input_shape": (1, 40)}, "2-d image model but the data is signal data"),
         ("no_such_module_xyz:f", {}, "cannot import module 'no_such_module_xyz'"),
-        ("bayesify.models:nothing", {}, "has no callable 'nothing'"),
+        ("bayesify.zoo.models:nothing", {}, "has no callable 'nothing'"),
         ("cnn", {"input_shape": (1, 40)}, "takes \\[C, H, W\\] images"),
     ],
 )

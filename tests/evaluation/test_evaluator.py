@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import bayesify
-from bayesify.data import InMemoryDataset
+from bayesify.zoo.data import InMemoryDataset
 from bayesify.evaluation import (
     evaluate,
     evaluate_corruptions,

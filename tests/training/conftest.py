@@ -1,6 +1,6 @@
 import pytest
 
-from bayesify.data import DataBundle, InMemoryDataset, load_data
+from bayesify.zoo.data import DataBundle, InMemoryDataset, load_data
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bayesify.data import DataBundle
+from bayesify.zoo.data import DataBundle
 from bayesify.training import TrainConfig, Trainer, build_model
 
 TIMING = {"examples_per_s", "seconds", "time"}

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from bayesify.data import DataBundle
+from bayesify.zoo.data import DataBundle
 from bayesify.training import TrainConfig, Trainer, build_model, load_checkpoint
 
 

@@ -36,7 +36,7 @@ def test_cli_trains_on_an_xla_device_and_the_checkpoint_loads_on_the_cpu(tmp_pat
     assert all(t.device.type == "cpu" for t in state["model"].values())
     assert state["optimizer"]["state"], "the optimizer never stepped"
     # the weights moved away from their initial values
-    from bayesify.data import load_data
+    from bayesify.zoo.data import load_data
     from bayesify.training import TrainConfig, build_model
 
     initial = build_model(TrainConfig.from_dict(state["config"]), load_data("digits")).state_dict()

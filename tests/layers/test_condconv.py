@@ -21,7 +21,7 @@ DT = torch.float64
 def test_condconv_matches_member_kernels(bias: bool, padding: str) -> None:
     reference = timm_layers.CondConv2d(4, 6, 3, stride=2 if padding == "same" else 1, padding=padding, bias=bias, num_experts=3).to(DT)
     layer = bayesify.convert(copy.deepcopy(reference), components=K, posterior="delta")
-    assert isinstance(layer, bayesify.wrappers.Rank1CondConv2d)
+    assert isinstance(layer, bayesify.layers.Rank1CondConv2d)
     x = torch.randn(2, 4, 7, 7, dtype=DT)
     routing = torch.rand(2, 3, dtype=DT)
     expected = reference(x, routing)

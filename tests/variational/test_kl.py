@@ -11,7 +11,7 @@ from torch import nn
 import bayesify
 
 from bayesify.options import Posterior, Prior
-from bayesify.priors import kl_cauchy_cauchy, kl_divergence, kl_normal_cauchy, kl_normal_normal, log_prob
+from bayesify.variational import kl_cauchy_cauchy, kl_divergence, kl_normal_cauchy, kl_normal_normal, log_prob
 
 
 def _numerical_kl(q: str, loc_q: float, scale_q: float, p: str, loc_p: float, scale_p: float) -> float:

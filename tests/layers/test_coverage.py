@@ -70,8 +70,8 @@ def test_a_table_only_added_is_dropped_after_the_probe() -> None:
 
 
 def test_the_printed_mapping_converts_the_layer() -> None:
-    class Rank1Dense(bayesify.wrappers.Rank1Linear):
-        def _rank1_features(self) -> tuple[int, int]:
+    class Rank1Dense(bayesify.layers.Rank1Linear):
+        def rank1_features(self) -> tuple[int, int]:
             return 6, 6
 
     model = nn.Sequential(Dense(), nn.Linear(6, 2))

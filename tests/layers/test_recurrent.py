@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import bayesify
-from bayesify.wrappers._scan import RecurrentScan
+from bayesify.layers._scan import RecurrentScan
 
 K = 3
 B, T, F_IN, H = 3, 4, 3, 4
