@@ -213,13 +213,15 @@ class ConvertedLayer(nn.Module):
         component; here the original bias stays the shared, live Parameter). ``biases`` are the
         names of the original bias parameters, relative to this layer (``"bias"``,
         ``"out_proj.bias"``); the L2 prior is taken on the effective bias. If none of them exists
-        (``bias=False``), no offset is created and None is registered.
+        (``bias=False``), no offset is created and None is registered. With no ``biases`` at all
+        the offset stands alone (a bias the layer computes itself, e.g. CondConv's mixed bias):
+        its L2 is on the offset.
         """
         present = tuple(b for b in biases if _parameter(self, b) is not None)
-        if not present:
+        if biases and not present:
             self.register_parameter(name, None)
             return None
-        like = _parameter(self, present[0])
+        like = _parameter(self, present[0]) if present else next(self.parameters(recurse=False))
         offset = nn.Parameter(torch.zeros(self.rank1_config.components, features, device=like.device, dtype=like.dtype))
         self.register_parameter(name, offset)
         self.rank1_state.bias_offsets[name] = present

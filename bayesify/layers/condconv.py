@@ -32,7 +32,11 @@ class Rank1CondConv2d(Rank1Layer):
     def rank1_setup(self, config: Rank1Config) -> None:
         self.rank1_s = self.rank1_factor(self.in_channels)
         self.rank1_r = self.rank1_factor(self.out_channels)
-        self.rank1_bias_offset("rank1_bias", self.out_channels, "bias")
+        if self._parameters.get("bias") is not None:
+            # an offset of the per-example mixed bias routing_weights @ bias: it stands alone (its own L2)
+            self.rank1_bias_offset("rank1_bias", self.out_channels)
+        else:
+            self.register_parameter("rank1_bias", None)
 
     def rank1_batch_axis(self, x: Tensor) -> int | None:
         return 0

@@ -4,7 +4,7 @@ from bayesify.training import Objective, TrainConfig, Trainer, build_model, para
 """
 
 from bayesify.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from bayesify.training.objective import Likelihood, Objective, kl_scale, l2_penalty, negative_log_likelihood
+from bayesify.training.objective import Likelihood, Objective, kl_scale, l2_penalty, negative_log_likelihood, training_nll
 from bayesify.training.optim import OptimizerName, WarmupStepDecay, build_optimizer, param_groups
 from bayesify.training.sampler import ResumableBatchSampler
 from bayesify.training.trainer import Precision, TrainConfig, Trainer, build_model
@@ -25,6 +25,7 @@ __all__ = [
     "l2_penalty",
     "load_checkpoint",
     "negative_log_likelihood",
+    "training_nll",
     "param_groups",
     "save_checkpoint",
 ]

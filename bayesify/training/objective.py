@@ -13,8 +13,11 @@
 * L2 prior on the point-estimated weights (reference ``compute_l2_loss``): kernels, biases and
   (optionally) normalisation-layer parameters; the rank-1 r / s variational parameters are
   excluded. The reference gives each component k its own bias ``b_k``; bayesify stores it as
-  ``b + delta_k`` (shared original bias plus ``rank1_bias``), and the penalty is taken on the
-  effective ``b_k``: ``sum_k ||b + delta_k||^2``, exactly the reference's term.
+  ``b + delta_k`` (the shared original bias plus a declared per-component offset, see
+  :meth:`~bayesify.layers.ConvertedLayer.rank1_bias_offset`), and the penalty is taken on the
+  effective ``b_k``: ``sum_k ||b + delta_k||^2``, exactly the reference's term. That holds for
+  every layer family: attention's ``in_proj_bias`` and ``out_proj.bias``, a recurrent layer's
+  ``bias_ih + bias_hh`` (one effective bias per component), a GRU's recurrent bias apart.
 
 Example:
     >>> objective = Objective(num_train=len(train_set), l2=1e-4, kl_annealing_steps=1000)
@@ -28,42 +31,36 @@ References:
 
 from __future__ import annotations
 
-import math
+import functools
+import warnings
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.inspection import is_converted, num_components, rank1_layers, rank1_parameters
+from bayesify.inspection import NORM_LAYERS, is_converted, num_components, rank1_layers, rank1_parameters
 from bayesify.kl import kl_divergence
+from bayesify.mixture import logmeanexp
+from bayesify.options import StrOption
 
 __all__ = [
     "Likelihood",
     "Objective",
     "kl_scale",
     "l2_penalty",
-    "negative_log_likelihood",
+    "training_nll",
     "unwrap",
 ]
 
-# normalisation layers whose affine parameters the reference's L2 covers ("batch_norm" in names)
-_NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
-if hasattr(nn, "RMSNorm"):
-    _NORM_TYPES = (*_NORM_TYPES, nn.RMSNorm)
 
-
-class Likelihood(str, Enum):
+class Likelihood(StrOption):
     """Which likelihood term the objective uses."""
 
     AVERAGE = "average"
     """mean over components of each component's NLL (reference default; what works best)."""
     MIXTURE = "mixture"
     """-log mean_k p(y | x, k): the mixture's NLL (tighter bound; needs the tiled route)."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -96,10 +93,13 @@ def _log_likelihood(logits: Tensor, labels: Tensor) -> Tensor:
     return -F.cross_entropy(logits, labels, reduction="none")
 
 
-def negative_log_likelihood(
+def training_nll(
     logits: Tensor, labels: Tensor, *, components: int = 1, likelihood: Likelihood | str = Likelihood.AVERAGE
 ) -> Tensor:
-    """The NLL term for outputs of the tiled (``[K*B, ...]``) or sampled (``[B, ...]``) route.
+    """The training objective's NLL term for outputs of the tiled (``[K*B, ...]``) or sampled (``[B, ...]``) route.
+
+    (The NLL of the *predictive* mixture, an evaluation metric, is
+    :func:`bayesify.evaluation.metrics.negative_log_likelihood`.)
 
     Args:
         logits: model outputs; ``K * B`` rows member-major (tiled route) or ``B`` rows.
@@ -111,7 +111,7 @@ def negative_log_likelihood(
         ValueError: outputs whose rows are neither B nor K * B, or the mixture likelihood on
             outputs that are not tiled.
     """
-    likelihood = Likelihood(likelihood)
+    likelihood = Likelihood.parse(likelihood, "likelihood")
     rows, batch = logits.shape[0], labels.shape[0]
     if rows == batch and not (likelihood is Likelihood.MIXTURE and components > 1):
         return -_log_likelihood(logits, labels).mean()
@@ -130,7 +130,23 @@ def negative_log_likelihood(
     if likelihood is Likelihood.AVERAGE:
         return -log_lik.mean()
     per_member = log_lik.view(components, batch)
-    return -(torch.logsumexp(per_member, 0) - math.log(components)).mean()
+    return -logmeanexp(per_member, 0).mean()
+
+
+def negative_log_likelihood(*args: object, **kwargs: object) -> Tensor:
+    """Deprecated name of :func:`training_nll` (it clashed with the evaluation metric of the same name)."""
+    warnings.warn(
+        "bayesify.training.negative_log_likelihood is deprecated: use training_nll (the objective's term) or "
+        "bayesify.evaluation.metrics.negative_log_likelihood (the predictive mixture's NLL).",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return training_nll(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def _wide(t: Tensor) -> Tensor:
+    # squares summed over millions of entries: at least float32 (a float64 model stays float64)
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 def l2_penalty(model: nn.Module, *, norm_layers: bool = True) -> Tensor:
@@ -138,34 +154,34 @@ def l2_penalty(model: nn.Module, *, norm_layers: bool = True) -> Tensor:
 
     Covers every parameter that is not a rank-1 variational parameter (r / s locations and
     scales); normalisation-layer parameters only with ``norm_layers``. The per-component
-    biases enter as the effective ``b_k = b + delta_k`` (see the module doc).
+    biases enter as the effective ``b_k = sum(biases) + delta_k`` of every declared bias offset
+    (see the module doc).
     """
     model = unwrap(model)
-    rank1_ids = {id(p) for p in rank1_parameters(model)}
-    skip: set[int] = set(rank1_ids)
+    skip: set[int] = {id(p) for p in rank1_parameters(model)}
     if not norm_layers:
         for module in model.modules():
-            if isinstance(module, _NORM_TYPES):
+            if isinstance(module, NORM_LAYERS):
                 skip.update(id(p) for p in module.parameters(recurse=False))
     terms: list[Tensor] = []
     for _, layer in rank1_layers(model):
-        delta = layer._parameters.get("rank1_bias")
-        bias = layer._parameters.get("bias")
-        if delta is not None and bias is not None and id(bias) not in skip:
-            terms.append((bias.unsqueeze(0) + delta).float().pow(2).sum())
-            skip.add(id(bias))
-        elif delta is not None:
-            terms.append(delta.float().pow(2).sum())
+        for offset, biases in layer.rank1_bias_offsets():
+            effective = offset
+            for bias in biases:
+                effective = effective + bias.unsqueeze(0)
+            terms.append(_wide(effective).pow(2).sum())
+            skip.update(id(b) for b in biases)
     seen: set[int] = set()
     for p in model.parameters():
         if id(p) in skip or id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
-        terms.append(p.float().pow(2).sum())
+        terms.append(_wide(p).pow(2).sum())
     if not terms:
         p = next(model.parameters(), None)
         return torch.zeros((), device=None if p is None else p.device)
-    return torch.stack(terms).sum()
+    dtype = functools.reduce(torch.promote_types, (t.dtype for t in terms))
+    return torch.stack([t.to(terms[0].device, dtype) for t in terms]).sum()
 
 
 @dataclass
@@ -191,10 +207,7 @@ class Objective:
             raise ValueError(f"num_train={self.num_train!r} must be the number of training examples (an int >= 1).")
         if self.l2 < 0:
             raise ValueError(f"l2={self.l2!r} must be >= 0 (reference: 1e-4 CIFAR-10, 3e-4 CIFAR-100).")
-        try:
-            self.likelihood = Likelihood(self.likelihood)
-        except ValueError:
-            raise ValueError(f"likelihood={self.likelihood!r} must be 'average' or 'mixture'.") from None
+        self.likelihood = Likelihood.parse(self.likelihood, "likelihood")
 
     def __call__(self, model: nn.Module, logits: Tensor, labels: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss and its parts (``nll``, ``kl``, ``kl_scale``, ``l2``, ``loss``; detached).
@@ -207,7 +220,7 @@ class Objective:
         """
         inner = unwrap(model)
         k = num_components(inner)
-        nll = negative_log_likelihood(logits, labels, components=k, likelihood=self.likelihood)
+        nll = training_nll(logits, labels, components=k, likelihood=self.likelihood)
         loss = nll
         parts: dict[str, Tensor] = {"nll": nll.detach()}
         if k > 1 or is_converted(inner):
