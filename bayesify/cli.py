@@ -21,93 +21,32 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["PRESETS", "main"]
-
-# The paper's recipes (METHOD.md; reference baselines/{cifar,imagenet}/rank1_bnn.py, MIMIC-III).
-# Epoch-relative entries ("*_fraction") are scaled to --epochs; "base_lr" is for "lr_batch" examples
-# per step and is scaled linearly to --batch-size.
-PRESETS: dict[str, dict[str, Any]] = {
-    "cifar10": dict(
-        components=4, route="tile", optimizer="sgd", momentum=0.9, nesterov=True, base_lr=0.1, lr_batch=128,
-        batch_size=128, epochs=250, warmup_epochs=1.0, decay_fractions=(80 / 200, 160 / 200, 180 / 200),
-        decay_ratio=0.2, l2=1e-4, l2_norm_layers=True, prior_std=0.1, init="random_sign", init_sign_p=0.5,
-        init_dropout=1e-3, init_jitter=0.1, kl_annealing_fraction=200 / 250,
-    ),
-    "cifar100": dict(
-        components=4, route="tile", optimizer="sgd", momentum=0.9, nesterov=True, base_lr=0.1, lr_batch=128,
-        batch_size=128, epochs=250, warmup_epochs=1.0, decay_fractions=(80 / 200, 160 / 200, 180 / 200),
-        decay_ratio=0.2, l2=3e-4, l2_norm_layers=True, prior_std=0.1, init="random_sign", init_sign_p=0.5,
-        init_dropout=1e-3, init_jitter=0.1, kl_annealing_fraction=200 / 250,
-    ),
-    "imagenet": dict(
-        components=4, route="tile", optimizer="sgd", momentum=0.9, nesterov=True, base_lr=0.1, lr_batch=256,
-        batch_size=256, epochs=135, warmup_epochs=5.0, decay_fractions=(45 / 135, 90 / 135, 120 / 135),
-        decay_ratio=0.1, l2=1e-4, l2_norm_layers=False, prior_std=0.05, init="random_sign", init_sign_p=0.75,
-        init_dropout=1e-3, init_jitter=0.1, kl_annealing_fraction=90 / 135,
-    ),
-    "mimic": dict(
-        components=4, route="tile", optimizer="adam", lr=3e-4, batch_size=128, max_steps=25_000, epochs=10_000,
-    ),
-}  # fmt: skip
+__all__ = ["main"]
 
 
 class UserError(Exception):
     """A mistake in the command line: reported in one line, exit status 2."""
 
 
+# train flags that are not TrainConfig fields
+_NOT_CONFIG = {"command", "preset", "download", "nprocs"}
+
+
 def _parser() -> argparse.ArgumentParser:
+    from bayesify.training.recipes import PRESETS
+
     parser = argparse.ArgumentParser(
         prog="bayesify", description="Train and evaluate rank-1 Bayesian neural nets (Dusenberry et al., ICML 2020)."
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    # every train option defaults to None: unset options come from the preset, then TrainConfig
+    # one flag per TrainConfig field (the conversion options included), generated from the fields; every
+    # flag defaults to None: unset options come from the preset, then the config's defaults
     t = sub.add_parser("train", help="convert a model to a rank-1 BNN and train it", argument_default=None)
-    t.add_argument("--model", help="built-in (cnn, cnn1d, mlp), timm or torchvision name, or module:factory")
-    t.add_argument("--data", help="digits, mnist1d, breast-cancer, cifar10, cifar100, or folder:PATH")
-    t.add_argument("--out", required=True, help="run directory: metrics.jsonl, checkpoint.pt, reports")
-    t.add_argument("--data-dir", help="where torchvision data sets are (CIFAR)")
-    t.add_argument("--download", action="store_true", default=False, help="let torchvision download CIFAR")
+    _add_config_flags(t)
     t.add_argument("--preset", choices=sorted(PRESETS), help="the paper's hyperparameters for this benchmark")
-    t.add_argument("--resume", action="store_true", default=False, help="continue the run in --out")
-    t.add_argument("--epochs", type=int)
-    t.add_argument("--max-steps", type=int, help="stop after this many optimizer steps")
-    t.add_argument("--batch-size", type=int, help="unique examples per step, all processes together")
-    t.add_argument("--components", type=int, help="K mixture components (paper: 4)")
-    t.add_argument("--deterministic", action="store_true", default=False, help="train without converting (baseline)")
-    t.add_argument("--route", choices=["sample", "tile"], help="sample: one component per example; tile: all K")
-    t.add_argument("--likelihood", choices=["average", "mixture"])
-    t.add_argument("--prior", choices=["normal", "cauchy"])
-    t.add_argument("--prior-std", type=float)
-    t.add_argument("--posterior", choices=["normal", "cauchy", "delta"])
-    t.add_argument("--init", choices=["preserve", "random_sign", "normal"])
-    t.add_argument("--init-mean-std", type=float, help="spread of the means for --init normal")
-    t.add_argument("--init-sign-p", type=float)
-    t.add_argument("--init-dropout", type=float)
-    t.add_argument("--init-jitter", type=float)
-    t.add_argument("--l2", type=float, help="L2 prior coefficient on the point-estimated weights")
-    t.add_argument("--no-l2-norm-layers", dest="l2_norm_layers", action="store_false", default=None)
-    t.add_argument("--kl-annealing-epochs", type=float)
-    t.add_argument("--optimizer", choices=["sgd", "adam", "adamw"])
-    t.add_argument("--lr", type=float)
-    t.add_argument("--momentum", type=float)
-    t.add_argument("--no-nesterov", dest="nesterov", action="store_false", default=None)
-    t.add_argument("--warmup-epochs", type=float)
-    t.add_argument("--decay-epochs", type=_floats, help="comma-separated epochs, e.g. 80,160,180")
-    t.add_argument("--decay-ratio", type=float)
-    t.add_argument("--fast-weight-lr-multiplier", type=float)
-    t.add_argument("--grad-clip", type=float)
-    t.add_argument("--eval-samples", type=int)
-    t.add_argument("--device", help="auto, cpu, cuda, cuda:N, xla")
+    t.add_argument("--download", action="store_true", default=False, help="let torchvision download CIFAR")
     t.add_argument("--nprocs", type=int, help="with --device xla: one process per XLA device")
-    t.add_argument("--precision", choices=["32", "bf16", "fp16"])
-    t.add_argument("--compile", action="store_true", default=None)
-    t.add_argument("--num-workers", type=int)
-    t.add_argument("--seed", type=int)
-    t.add_argument("--log-every", type=int)
-    t.add_argument("--checkpoint-every", type=int)
-    t.add_argument("--pretrained", action="store_true", default=None)
-    t.add_argument("--no-progress", dest="progress", action="store_false", default=None)
 
     e = sub.add_parser("evaluate", help="evaluate the checkpoint in --out; write report.md and plots")
     e.add_argument("--out", required=True, help="the run directory of `bayesify train`")
@@ -122,6 +61,44 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--data-dir", help="override the run's data directory")
     e.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     return parser
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """``--name`` for each field of TrainConfig: choices from option enums, ``--x / --no-x`` for booleans,
+    ``none`` for optional numbers, comma lists for tuples."""
+    import typing
+
+    from bayesify.options import StrOption
+    from bayesify.training import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if not f.metadata.get("cli", True):
+            continue
+        flag, kind, help_text = "--" + f.name.replace("_", "-"), hints[f.name], f.metadata.get("help", "")
+        args = typing.get_args(kind)
+        optional = type(None) in args
+        base = next((a for a in args if a is not type(None)), kind) if optional else kind
+        if f.name == "out":
+            parser.add_argument(flag, required=True, help=help_text)
+        elif base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        elif isinstance(base, type) and issubclass(base, StrOption):
+            parser.add_argument(flag, choices=[m.value for m in base], help=help_text)
+        elif typing.get_origin(base) is tuple:
+            parser.add_argument(flag, type=_floats, help=help_text)
+        elif base in (int, float):
+            parser.add_argument(flag, type=_optional(base) if optional else base, help=help_text)
+        else:
+            parser.add_argument(flag, help=help_text)
+
+
+def _optional(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        return None if text.lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its errors
+    return parse
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -142,64 +119,22 @@ def _ints(text: str) -> tuple[int, ...]:
 
 # ---- train ------------------------------------------------------------------------------------
 
-_NOT_CONFIG = {"command", "preset", "download", "deterministic", "nprocs"}
-
 
 def _train_config(args: argparse.Namespace) -> Any:
-    from bayesify.training import TrainConfig
-    from bayesify.training.checkpoint import load_checkpoint
+    from bayesify.training.run import new_run_config, resume_run_config
 
     explicit = {k: v for k, v in vars(args).items() if v is not None and k not in _NOT_CONFIG}
-    explicit.pop("resume", None)
-    if args.deterministic:
-        explicit["components"] = 0
-    out = Path(args.out)
-    checkpoint = out / "checkpoint.pt"
-
-    if args.resume:
-        if not checkpoint.exists():
-            raise UserError(
-                f"--resume: there is no checkpoint at {checkpoint}; drop --resume to start a new run there."
-            )
-        saved = load_checkpoint(checkpoint)["config"]
-        for key in ("model", "data"):
-            if key in explicit and explicit[key] != saved[key]:
-                raise UserError(
-                    f"--{key} {explicit[key]} differs from the run in {out}, which trained --{key} {saved[key]}; "
-                    f"resume without --{key}, or train a new run in another --out."
-                )
-        return TrainConfig.from_dict({**saved, **explicit, "resume": True})
-
-    if checkpoint.exists():
-        raise UserError(
-            f"{out} already holds a checkpoint; pass --resume to continue that run, or choose another --out "
-            "(nothing was overwritten)."
-        )
-    missing = [f"--{k}" for k in ("model", "data") if k not in explicit]
-    if missing:
-        raise UserError(
-            f"train needs {' and '.join(missing)} (e.g. --model cnn --data digits) unless it --resume's a run."
-        )
-
-    values: dict[str, Any] = {}
-    if args.preset:
-        preset = dict(PRESETS[args.preset])
-        epochs = explicit.get("epochs", preset["epochs"])
-        batch = explicit.get("batch_size", preset["batch_size"])
-        if "decay_fractions" in preset:
-            values["decay_epochs"] = tuple(round(f * epochs, 4) for f in preset.pop("decay_fractions"))
-        if "kl_annealing_fraction" in preset:
-            values["kl_annealing_epochs"] = round(preset.pop("kl_annealing_fraction") * epochs, 4)
-        if "base_lr" in preset:
-            values["lr"] = preset.pop("base_lr") * batch / preset.pop("lr_batch")
-        values.update(preset)
-    values.update(explicit)
-    if values.get("pretrained") and "init" not in explicit:
-        values["init"] = "preserve"  # keep the pretrained network's function at the start
-    return TrainConfig(**values)
+    if explicit.get("components") == 0:
+        raise UserError("--components 0 is not a number of mixture components; to train the network as it is, "
+                        "pass --deterministic.")  # fmt: skip
+    if explicit.pop("resume", False):
+        return resume_run_config(explicit)
+    return new_run_config(explicit, args.preset)
 
 
 def _train(args: argparse.Namespace) -> int:
+    from bayesify.training.run import train
+
     config = _train_config(args)
     config.validate()
     if args.nprocs and args.nprocs > 1:
@@ -212,7 +147,7 @@ def _train(args: argparse.Namespace) -> int:
 
         launch_xla(_xla_worker, args=(config.to_dict(), args.download), nprocs=args.nprocs)
         return 0
-    results = _run_training(config, args.download)
+    results = train(config, download=args.download)
     if results and "nll" in results:
         print(
             f"test: NLL {results['nll']:.4f}  accuracy {results['accuracy']:.4f}  ECE {results['ece']:.4f}  "
@@ -221,26 +156,11 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_training(config: Any, download: bool) -> dict[str, Any]:
-    from bayesify.zoo.data import load_data
-    from bayesify.training import Trainer, build_model
-
-    bundle = load_data(config.data, config.data_dir, download=download, seed=0)
-    # a resumed run loads its weights from the checkpoint: no pretrained download
-    model = build_model(dataclasses.replace(config, pretrained=False) if config.resume else config, bundle)
-    try:
-        return Trainer(config, model, bundle).run()
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _xla_worker(index: int, config: dict[str, Any], download: bool) -> None:
     from bayesify.training import TrainConfig
+    from bayesify.training.run import train
 
-    _run_training(TrainConfig.from_dict(config), download)
+    train(TrainConfig.from_dict(config), download=download)
 
 
 # ---- evaluate ---------------------------------------------------------------------------------
@@ -255,16 +175,13 @@ def _evaluate(args: argparse.Namespace) -> int:
     from bayesify.evaluation.evaluator import predict_members
     from bayesify.evaluation.metrics import compute_metrics, mixture_log_probs
     from bayesify.evaluation.report import markdown_report, reliability_diagram, severity_plot, write_json
-    from bayesify.training import TrainConfig, build_model
-    from bayesify.training.checkpoint import load_checkpoint
     from bayesify.training.distributed import resolve_device
+    from bayesify.training.run import load_run, restore_model
 
     out = Path(args.out)
-    state = load_checkpoint(out / "checkpoint.pt")
-    config = TrainConfig.from_dict(state["config"])
+    config, state = load_run(out)
     bundle = load_data(config.data, args.data_dir or config.data_dir, seed=0)
-    model = build_model(dataclasses.replace(config, pretrained=False), bundle)  # weights come from the checkpoint
-    model.load_state_dict(state["model"])
+    model = restore_model(config, state, bundle)
     device = resolve_device(args.device)
     model.to(device).eval()
     samples = args.samples or config.eval_samples
@@ -277,12 +194,12 @@ def _evaluate(args: argparse.Namespace) -> int:
         torch.manual_seed(0)
         loader = DataLoader(test, batch_size=args.batch_size)
         log_probs, labels = predict_members(model, loader, samples=samples, device=device, transform=bundle.normalize)
-    components = max(config.components, 1)
+    components = 1 if config.deterministic else config.components
     clean = compute_metrics(log_probs, labels, components=components)
-    clean.update(components=components, samples=samples if config.components else 1)
+    clean.update(components=components, samples=1 if config.deterministic else samples)
     images = {"reliability diagram": "reliability.png"}
     title = f"{config.model} on {config.data}" + (
-        f", rank-1 K={config.components}" if config.components else ", deterministic"
+        ", deterministic" if config.deterministic else f", rank-1 K={config.components}"
     )
     reliability_diagram(mixture_log_probs(log_probs).exp(), labels, out / "reliability.png", title=title)
 

@@ -70,7 +70,7 @@ class Rank1Config:
                 f"components={self.components!r} must be an integer >= 1 (the number of mixture components; "
                 "the paper uses 4)."
             )
-        for name, kind in _enum_fields().items():
+        for name, kind in enum_fields(type(self)).items():
             set_(self, name, kind.parse(getattr(self, name), name))
         check_pair(self.posterior, self.prior)
         set_(self, "prior_std", _positive("prior_std", self.prior_std, "the paper uses 0.1 (CIFAR) or 0.05 (ImageNet)"))
@@ -130,23 +130,42 @@ class Rank1Config:
             )
         if base is None:
             return cls(**options)
-        if not isinstance(base, cls):
+        if not isinstance(base, Rank1Config):
             raise TypeError(f"config={base!r} must be a bayesify.Rank1Config (or None for the defaults).")
+        base = base.rank1
         return base.replace(**options) if options else base
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        """The conversion options (the fields of ``Rank1Config`` itself, not of a subclass)."""
+        return tuple(f.name for f in dataclasses.fields(Rank1Config))
+
+    @property
+    def rank1(self) -> "Rank1Config":
+        """The conversion options alone (a subclass such as ``TrainConfig`` holds more)."""
+        if type(self) is Rank1Config:
+            return self
+        return Rank1Config(**{name: getattr(self, name) for name in Rank1Config.option_names()})
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (enums as strings), e.g. for a checkpoint or a report."""
-        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), StrOption) else v) for f in dataclasses.fields(self)}
+        """Plain values (enums as strings, tuples as lists), e.g. for a checkpoint or a report."""
+        plain = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            plain[f.name] = str(value) if isinstance(value, StrOption) else list(value) if isinstance(value, tuple) else value
+        return plain
 
 
 @functools.cache
-def _enum_fields() -> dict[str, type[StrOption]]:
-    hints = typing.get_type_hints(Rank1Config)
-    return {name: kind for name, kind in hints.items() if isinstance(kind, type) and issubclass(kind, StrOption)}
+def enum_fields(cls: type) -> dict[str, type[StrOption]]:
+    """``{field name: option enum}`` for the fields of dataclass ``cls`` typed by a :class:`StrOption`."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {
+        name: kind
+        for name, kind in hints.items()
+        if name in names and isinstance(kind, type) and issubclass(kind, StrOption)
+    }
 
 
 def options_doc(cls: type = Rank1Config, indent: str = "        ") -> str:

@@ -75,7 +75,7 @@ def main() -> None:
     results, seconds = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
-        for name, net, extra in (("deterministic", deterministic, {"components": 0}), ("rank-1 BNN", rank1, RANK1)):
+        for name, net, extra in (("deterministic", deterministic, {"deterministic": True}), ("rank-1 BNN", rank1, RANK1)):
             config = TrainConfig(
                 model="examples.digits:make_net", epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
                 out=str(root / name.split()[0]), **COMMON, **extra,

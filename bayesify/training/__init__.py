@@ -1,15 +1,26 @@
-"""Training rank-1 BNNs as in the paper: the objective, optimizers, checkpoints, the trainer.
+"""Training rank-1 BNNs as in the paper: the objective, optimizers, checkpoints, recipes, the trainer.
 
 from bayesify.training import Objective, TrainConfig, Trainer, build_model, param_groups
 """
 
 from bayesify.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from bayesify.training.objective import Likelihood, Objective, kl_scale, l2_penalty, negative_log_likelihood, training_nll
+from bayesify.training.config import Precision, TrainConfig
+from bayesify.training.objective import (
+    Likelihood,
+    Objective,
+    kl_scale,
+    l2_penalty,
+    negative_log_likelihood,
+    training_nll,
+)
 from bayesify.training.optim import OptimizerName, WarmupStepDecay, build_optimizer, param_groups
+from bayesify.training.recipes import PRESETS, apply_preset
+from bayesify.training.run import build_model, load_run, restore_model
 from bayesify.training.sampler import ResumableBatchSampler
-from bayesify.training.trainer import Precision, TrainConfig, Trainer, build_model
+from bayesify.training.trainer import Trainer
 
 __all__ = [
+    "PRESETS",
     "CheckpointError",
     "Likelihood",
     "Objective",
@@ -19,13 +30,16 @@ __all__ = [
     "TrainConfig",
     "Trainer",
     "WarmupStepDecay",
+    "apply_preset",
     "build_model",
     "build_optimizer",
     "kl_scale",
     "l2_penalty",
     "load_checkpoint",
+    "load_run",
     "negative_log_likelihood",
-    "training_nll",
     "param_groups",
+    "restore_model",
     "save_checkpoint",
+    "training_nll",
 ]

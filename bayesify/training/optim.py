@@ -19,18 +19,18 @@ Example:
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from bayesify.options import StrOption
 from bayesify.variational.factor import Rank1Factor
 
 __all__ = ["OptimizerName", "WarmupStepDecay", "build_optimizer", "param_groups"]
 
 
-class OptimizerName(str, Enum):
+class OptimizerName(StrOption):
     """The optimizers the trainer builds."""
 
     SGD = "sgd"
@@ -39,9 +39,6 @@ class OptimizerName(str, Enum):
     """Adam: the paper's MIMIC-III recipe."""
     ADAMW = "adamw"
     """AdamW (decoupled weight decay; bayesify's L2 prior lives in the objective instead)."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 def _factor_parameter_ids(model: nn.Module) -> set[int]:

@@ -1,4 +1,4 @@
-"""The trainer: one loop, top to bottom, in the style of nanoGPT / minGPT.
+"""The trainer: set up, restore in one place, then one loop that reads top to bottom (nanoGPT / minGPT style).
 
     # one process (CPU or GPU), the tiled route of the paper, 4 components
     bayesify train --model resnet18 --data digits --epochs 2 --route tile --out runs/a
@@ -11,8 +11,7 @@ From Python::
 
     config = TrainConfig(model="cnn", data="digits", epochs=5, out="runs/x")
     bundle = load_data(config.data)
-    model = build_model(config, bundle)
-    results = Trainer(config, model, bundle).run()
+    results = Trainer(config, build_model(config, bundle), bundle).run()
 
 Each step: route the batch (``sample``: one random component per example; ``tile``: every
 example through all K components, labels tiled to match), compute the
@@ -27,11 +26,9 @@ with ``num_workers=0`` or augmentations that draw no randomness in the workers).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import time
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,163 +38,21 @@ from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
 
 import bayesify
-from bayesify.zoo.data import DataBundle
 from bayesify.evaluation.evaluator import evaluate
-from bayesify.zoo.models import create_model
 from bayesify.inspection import num_components
 from bayesify.options import Route
 from bayesify.training.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from bayesify.training.distributed import setup
-from bayesify.training.objective import Likelihood, Objective, unwrap
+from bayesify.training.config import Precision, TrainConfig
+from bayesify.training.distributed import Distributed, setup
+from bayesify.training.objective import Objective, unwrap
 from bayesify.training.optim import WarmupStepDecay, build_optimizer, param_groups
+from bayesify.training.run import CHECKPOINT, METRICS, build_model
 from bayesify.training.sampler import ResumableBatchSampler
+from bayesify.zoo.data import DataBundle
 
 __all__ = ["Precision", "TrainConfig", "Trainer", "build_model"]
 
-CHECKPOINT = "checkpoint.pt"
-METRICS = "metrics.jsonl"
-
-
-class Precision(str, Enum):
-    """Numeric precision of the forward pass."""
-
-    FP32 = "32"
-    """float32 throughout."""
-    BF16 = "bf16"
-    """bfloat16 autocast (CPU, recent GPUs, TPU); no loss scaling needed."""
-    FP16 = "fp16"
-    """float16 autocast with a GradScaler (GPUs)."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass
-class TrainConfig:
-    """Everything a run needs; saved in the checkpoint so ``bayesify evaluate`` can rebuild it."""
-
-    # what to train (names resolved by bayesify.models.create_model / bayesify.data.load_data)
-    model: str = "cnn"
-    data: str = "digits"
-    data_dir: str | None = None
-    pretrained: bool = False
-    # rank-1 conversion; components=0 trains the deterministic network as it is (baseline)
-    components: int = 4
-    prior: str = "normal"
-    prior_std: float = 0.1  # paper: 0.1 CIFAR, 0.05 ImageNet
-    posterior: str = "normal"
-    # means ~ Normal(1, init_mean_std): the reference's random_sign_init < 0 mode. Random signs ("random_sign",
-    # the CIFAR/ImageNet presets) cost 2/prior_std^2 nats of KL per -1 entry, which swamps small data sets;
-    # "preserve" keeps a pretrained network's function
-    init: str = "normal"
-    init_mean_std: float = 0.1
-    init_sign_p: float = 0.5  # for init="random_sign"; paper: 0.5 CIFAR, 0.75 ImageNet
-    init_dropout: float = 1e-3  # initial std sqrt(p / (1 - p)) ~ 0.032
-    init_jitter: float = 0.0  # reference: 0.1 truncated-normal jitter on the raw std
-    # objective
-    route: str = "sample"  # "sample": one component per example (~1x cost); "tile": all K (paper, Kx cost)
-    likelihood: str = "average"  # "average" per-component NLL, or "mixture" (needs route="tile")
-    l2: float = 1e-4  # L2 prior on point-estimated weights
-    l2_norm_layers: bool = True  # include normalisation layers in the L2 term (CIFAR reference)
-    kl_annealing_epochs: float | None = None  # None: 2/3 of training
-    train_noise: bool = True  # sample r, s during training (False: posterior means, e.g. for tests)
-    # optimisation
-    optimizer: str = "adam"  # "sgd" (Nesterov momentum; CIFAR/ImageNet recipe), "adam" (MIMIC), "adamw"
-    lr: float = 1e-3
-    momentum: float = 0.9
-    nesterov: bool = True
-    fast_weight_lr_multiplier: float = 1.0  # lr multiplier of the rank-1 r/s parameters
-    warmup_epochs: float = 0.0
-    decay_epochs: tuple[float, ...] = ()
-    decay_ratio: float = 0.2
-    grad_clip: float | None = None  # max global gradient norm
-    epochs: int = 10
-    max_steps: int | None = None  # stop after this many optimizer steps (e.g. MIMIC's 25k)
-    batch_size: int = 64  # unique examples per step, all processes together (tiled K times by route="tile")
-    # evaluation during training
-    eval_samples: int = 1  # posterior samples per component at evaluation
-    eval_every: int = 1  # epochs between test-set evaluations (0: only at the end)
-    # system
-    device: str = "auto"  # auto, cpu, cuda, cuda:N, xla
-    precision: str = "32"  # "32", "bf16", "fp16"
-    compile: bool = False  # torch.compile the model
-    num_workers: int = 0
-    seed: int = 0
-    log_every: int = 10  # steps between lines in metrics.jsonl
-    checkpoint_every: int = 0  # steps between checkpoints (0: at the end of each epoch only)
-    out: str = "runs/default"
-    resume: bool = False
-    progress: bool | None = None  # tqdm bars (None: only on a terminal)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in values.items() if k in known}
-        if "decay_epochs" in kwargs:
-            kwargs["decay_epochs"] = tuple(kwargs["decay_epochs"])
-        return cls(**kwargs)
-
-    def validate(self) -> None:
-        """Raise a ValueError naming the first bad value and its fix."""
-        if self.components < 0:
-            raise ValueError(f"components={self.components} must be >= 0 (0: the deterministic network; paper: 4).")
-        try:
-            route = Route(self.route)
-        except ValueError:
-            raise ValueError(f"route={self.route!r} must be 'sample' or 'tile'.") from None
-        if route not in (Route.SAMPLE, Route.TILE):
-            raise ValueError(f"route={self.route!r} must be 'sample' or 'tile' for training.")
-        try:
-            likelihood = Likelihood(self.likelihood)
-        except ValueError:
-            raise ValueError(f"likelihood={self.likelihood!r} must be 'average' or 'mixture'.") from None
-        if likelihood is Likelihood.MIXTURE and route is Route.SAMPLE and self.components > 1:
-            raise ValueError(
-                "likelihood='mixture' needs every example through all components: use --route tile "
-                "(or --likelihood average with --route sample)."
-            )
-        if str(self.precision) not in {p.value for p in Precision}:
-            raise ValueError(f"precision={self.precision!r} must be one of: 32, bf16, fp16.")
-        for name in ("epochs", "batch_size", "log_every", "eval_samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1.")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps={self.max_steps!r} must be >= 1 (or None: run all epochs).")
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr!r} must be > 0.")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip={self.grad_clip!r} must be > 0 (or None: no clipping).")
-
-
-def build_model(config: TrainConfig, bundle: DataBundle) -> nn.Module:
-    """``create_model`` for the data, converted to rank-1 unless ``components == 0``; seeded."""
-    torch.manual_seed(config.seed)
-    model = create_model(
-        config.model,
-        in_channels=bundle.in_channels,
-        num_classes=bundle.num_classes,
-        input_shape=bundle.input_shape,
-        kind=bundle.kind,
-        pretrained=config.pretrained,
-    )
-    if config.components > 0:
-        bayesify.convert(
-            model,
-            components=config.components,
-            prior=config.prior,
-            prior_std=config.prior_std,
-            posterior=config.posterior,
-            init=config.init,
-            init_mean_std=config.init_mean_std,
-            init_sign_p=config.init_sign_p,
-            init_dropout=config.init_dropout,
-            init_jitter=config.init_jitter,
-        )
-    return model
+_AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
 class MetricsLog:
@@ -223,8 +78,29 @@ class MetricsLog:
         tmp.replace(self.path)
 
 
+@dataclass
+class _Run:
+    """What the loop works with, built once by :meth:`Trainer._setup`."""
+
+    dist: Distributed
+    model: nn.Module  # the model as given (on the device)
+    train_model: nn.Module  # what the loop calls: DDP- and / or torch.compile-wrapped
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    objective: Objective
+    sampler: ResumableBatchSampler
+    loader: DataLoader
+    loader_generator: torch.Generator
+    log: MetricsLog
+    checkpoint: Path
+    steps_per_epoch: int
+    total_steps: int
+    converted: bool
+
+
 class Trainer:
-    """Train a (converted) model on a :class:`~bayesify.data.DataBundle` as ``config`` says.
+    """Train a (converted) model on a :class:`~bayesify.zoo.data.DataBundle` as ``config`` says.
 
     Args:
         config: the run's settings.
@@ -255,21 +131,80 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Train, evaluate each epoch, checkpoint; return the final test metrics (main process)."""
+        cfg = self.config
+        state = self._checkpoint_to_resume()
+        run = self._setup()
+        batch = self._restore(run, state) if state is not None else self._start_fresh(run)
+
+        from tqdm.auto import tqdm
+
+        show = run.dist.is_main and cfg.progress is not False
+        sums: dict[str, Tensor] = {}
+        window_start, window_steps = time.perf_counter(), 0
+        done = self.step >= run.total_steps
+        while not done and self.epoch < cfg.epochs:
+            run.sampler.set_epoch(self.epoch, start=batch)
+            run.loader_generator.manual_seed(cfg.seed * 1_000_003 + self.epoch)
+            run.model.train()
+            bar = tqdm(
+                run.loader,
+                desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
+                initial=batch,
+                total=run.steps_per_epoch,
+                disable=(None if cfg.progress is None else False) if show else True,
+                leave=False,
+            )
+            for x, y in bar:
+                parts = self._train_step(run, x, y)
+                self.step += 1
+                batch += 1
+
+                # logging: accumulate on the device, sync only every log_every steps
+                for key, value in parts.items():
+                    sums[key] = sums.get(key, 0) + value.float().to(run.dist.device)
+                window_steps += 1
+                if self.step % cfg.log_every == 0 or self.step == run.total_steps:
+                    seconds = time.perf_counter() - window_start
+                    self._log_train(run, sums, window_steps, window_steps * cfg.batch_size / seconds)
+                    bar.set_postfix(loss=f"{self.last['loss']:.4f}", refresh=False)
+                    sums, window_start, window_steps = {}, time.perf_counter(), 0
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    self._save(run, batch)
+                self.trigger("on_batch_end")
+                if self.step >= run.total_steps:
+                    done = True
+                    break
+            bar.close()
+
+            if batch >= run.steps_per_epoch:  # the epoch is complete
+                self.epoch, batch = self.epoch + 1, 0
+                if (cfg.eval_every and self.epoch % cfg.eval_every == 0) or done or self.epoch >= cfg.epochs:
+                    self._evaluate(run)
+            self._save(run, batch)
+            self.trigger("on_epoch_end")
+
+        if not self.results:
+            self._evaluate(run)
+        run.dist.barrier()
+        return self.results
+
+    # ---- set-up and restore ------------------------------------------------------------------
+
+    def _checkpoint_to_resume(self) -> dict[str, Any] | None:
+        path = Path(self.config.out) / CHECKPOINT
+        if path.exists() and not self.config.resume:
+            raise ValueError(
+                f"{self.config.out} already holds a checkpoint of an earlier run; pass --resume to continue it, or "
+                "choose another --out directory (nothing was overwritten)."
+            )
+        return load_checkpoint(path) if self.config.resume else None  # CheckpointError names the fix
+
+    def _setup(self) -> _Run:
         cfg, data = self.config, self.data
         out = Path(cfg.out)
-        checkpoint_path = out / CHECKPOINT
-        if checkpoint_path.exists() and not cfg.resume:
-            raise ValueError(
-                f"{out} already holds a checkpoint of an earlier run; pass --resume to continue it, or choose another "
-                "--out directory (nothing was overwritten)."
-            )
-        state = load_checkpoint(checkpoint_path) if cfg.resume else None  # CheckpointError names the fix
-
         self.dist = dist = setup(cfg.device)
-        device = dist.device
         if dist.is_main:
             out.mkdir(parents=True, exist_ok=True)
-        log = MetricsLog(out / METRICS, dist.is_main)
 
         # the global batch is split over processes; every process steps in lockstep
         if cfg.batch_size % dist.world_size:
@@ -278,10 +213,9 @@ class Trainer:
                 f"{dist.world_size} (e.g. --batch-size {cfg.batch_size // dist.world_size * dist.world_size or dist.world_size})."
             )
         per_process = cfg.batch_size // dist.world_size
-        model = self.model.to(device)
+        model = self.model.to(dist.device)
         converted = bayesify.is_converted(model)
-        route = Route(cfg.route)
-        self._check_batch_fits_route(model, per_process, route, converted)
+        self._check_batch_fits_route(model, per_process, converted)
         sampler = ResumableBatchSampler(
             len(data.train), per_process, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size
         )
@@ -299,10 +233,7 @@ class Trainer:
             nesterov=cfg.nesterov,
         )
         schedule = WarmupStepDecay(steps_per_epoch, cfg.warmup_epochs, cfg.decay_epochs, cfg.decay_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        scaler = torch.amp.GradScaler(
-            "cpu" if dist.xla else device.type, enabled=str(cfg.precision) == "fp16" and not dist.xla
-        )
+        scaler_device = "cpu" if dist.xla else dist.device.type
         kl_epochs = cfg.kl_annealing_epochs if cfg.kl_annealing_epochs is not None else 2 / 3 * cfg.epochs
         objective = Objective(
             num_train=len(data.train),
@@ -311,120 +242,62 @@ class Trainer:
             likelihood=cfg.likelihood,
             l2_norm_layers=cfg.l2_norm_layers,
         )
-        autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(cfg.precision))
-
-        # where to start: fresh, or exactly where the checkpoint left off
-        start_batch = 0
-        if state is not None:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            scaler.load_state_dict(state["scaler"])
-            self.step, self.epoch, start_batch = state["step"], state["epoch"], state["batch"]
-            log.truncate_after(self.step)
-        else:
-            torch.manual_seed(cfg.seed + dist.rank)  # posterior noise and component draws differ per process
-
-        train_model = dist.wrap(model)
-        if cfg.compile:
-            if dist.xla:
-                raise ValueError("compile=True is not supported with device='xla' (XLA compiles graphs itself).")
-            train_model = torch.compile(train_model)
         # a dedicated generator: creating a loader iterator must not draw from the global RNG
         loader_generator = torch.Generator()
         loader = DataLoader(
             data.train,
             batch_sampler=sampler,
             num_workers=cfg.num_workers,
-            pin_memory=device.type == "cuda",
+            pin_memory=dist.device.type == "cuda",
             generator=loader_generator,
         )
-        if state is not None:
-            # last thing before the loop: nothing may draw in between. One state per process.
-            states = state["rng"]
-            set_rng_state(states[dist.rank % len(states)])
+        return _Run(
+            dist=dist,
+            model=model,
+            train_model=model,  # wrapped once the starting state is in place (see _wrap)
+            optimizer=optimizer,
+            scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+            scaler=torch.amp.GradScaler(scaler_device, enabled=cfg.precision is Precision.FP16 and not dist.xla),
+            objective=objective,
+            sampler=sampler,
+            loader=loader,
+            loader_generator=loader_generator,
+            log=MetricsLog(out / METRICS, dist.is_main),
+            checkpoint=out / CHECKPOINT,
+            steps_per_epoch=steps_per_epoch,
+            total_steps=total_steps,
+            converted=converted,
+        )
 
-        from tqdm.auto import tqdm
+    def _start_fresh(self, run: _Run) -> int:
+        torch.manual_seed(self.config.seed + run.dist.rank)  # posterior noise and component draws differ per process
+        self._wrap(run)
+        return 0
 
-        show = dist.is_main and cfg.progress is not False
-        sums: dict[str, Tensor] = {}
-        window_start, window_steps = time.perf_counter(), 0
-        done = self.step >= total_steps
-        while not done and self.epoch < cfg.epochs:
-            sampler.set_epoch(self.epoch, start=start_batch)
-            loader_generator.manual_seed(cfg.seed * 1_000_003 + self.epoch)
-            model.train()
-            bar = tqdm(
-                loader,
-                desc=f"epoch {self.epoch + 1}/{cfg.epochs}",
-                initial=start_batch,
-                total=steps_per_epoch,
-                disable=(None if cfg.progress is None else False) if show else True,
-                leave=False,
-            )
-            for x, y in bar:
-                x = data.normalize(x.to(device, non_blocking=True))
-                y = y.to(device, non_blocking=True)
-                # forward: route the batch through the components, in mixed precision if asked
-                routing = (
-                    bayesify.mode(train_model, route, noise=cfg.train_noise) if converted else contextlib.nullcontext()
-                )
-                precision = (
-                    torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
-                )
-                with routing, precision:
-                    logits = train_model(x)
-                loss, parts = objective(model, logits, y, self.step)  # labels tiled inside for route="tile"
+    def _restore(self, run: _Run, state: dict[str, Any]) -> int:
+        """Everything a checkpoint holds, back in place; returns the batch to continue from."""
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.scaler.load_state_dict(state["scaler"])
+        self.step, self.epoch = state["step"], state["epoch"]
+        run.log.truncate_after(self.step)
+        self._wrap(run)
+        # last thing before the loop: nothing may draw in between. One state per process.
+        states = state["rng"]
+        set_rng_state(states[run.dist.rank % len(states)])
+        return state["batch"]
 
-                # backward and update (fp16: scaled loss; XLA: average gradients across replicas)
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                dist.reduce_gradients(optimizer)
-                if cfg.grad_clip is not None:
-                    scaler.unscale_(optimizer)
-                    parts["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).detach()
-                scaler.step(optimizer)
-                scaler.update()
-                scheduler.step()
-                dist.mark_step()
-                self.step += 1
-                start_batch += 1
+    def _wrap(self, run: _Run) -> None:
+        run.train_model = run.dist.wrap(run.model)
+        if self.config.compile:
+            if run.dist.xla:
+                raise ValueError("compile=True is not supported with device='xla' (XLA compiles graphs itself).")
+            run.train_model = torch.compile(run.train_model)
 
-                # logging: accumulate on the device, sync only every log_every steps
-                for key, value in parts.items():
-                    sums[key] = sums.get(key, 0) + value.float().to(device)
-                window_steps += 1
-                if self.step % cfg.log_every == 0 or self.step == total_steps:
-                    seconds = time.perf_counter() - window_start
-                    self._log_train(log, sums, window_steps, window_steps * cfg.batch_size / seconds, optimizer)
-                    bar.set_postfix(loss=f"{self.last['loss']:.4f}", refresh=False)
-                    sums, window_start, window_steps = {}, time.perf_counter(), 0
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                    self._save(checkpoint_path, model, optimizer, scheduler, scaler, start_batch, steps_per_epoch)
-                self.trigger("on_batch_end")
-                if self.step >= total_steps:
-                    done = True
-                    break
-            bar.close()
-
-            epoch_complete = start_batch >= steps_per_epoch
-            if epoch_complete:
-                self.epoch, start_batch = self.epoch + 1, 0
-            last = done or self.epoch >= cfg.epochs
-            if epoch_complete and ((cfg.eval_every and self.epoch % cfg.eval_every == 0) or last):
-                self._evaluate(log, model)
-            self._save(checkpoint_path, model, optimizer, scheduler, scaler, start_batch, steps_per_epoch)
-            self.trigger("on_epoch_end")
-
-        if not self.results:
-            self._evaluate(log, model)
-        dist.barrier()
-        return self.results
-
-    # ---- pieces of the loop --------------------------------------------------------------------
-
-    def _check_batch_fits_route(self, model: nn.Module, per_process: int, route: Route, converted: bool) -> None:
+    def _check_batch_fits_route(self, model: nn.Module, per_process: int, converted: bool) -> None:
         # training-mode batch norm needs > 1 row per batch; the tiled route has K rows per example
+        route = self.config.route
         rows = per_process * (num_components(model) if converted and route is Route.TILE else 1)
         has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
         if has_bn and rows < 2:
@@ -434,54 +307,77 @@ class Trainer:
                 "rows in training; use --batch-size 2 or more per process, or --route tile."
             )
 
-    def _log_train(
-        self, log: MetricsLog, sums: dict[str, Tensor], steps: int, examples_per_s: float, optimizer: Any
-    ) -> None:
+    # ---- pieces of the loop --------------------------------------------------------------------
+
+    def _train_step(self, run: _Run, x: Tensor, y: Tensor) -> dict[str, Tensor]:
+        """One optimizer step on a batch; returns the loss parts (detached, on the device)."""
+        cfg, device = self.config, run.dist.device
+        x = self.data.normalize(x.to(device, non_blocking=True))
+        y = y.to(device, non_blocking=True)
+        # forward: route the batch through the components, in mixed precision if asked
+        routing = bayesify.mode(run.train_model, cfg.route, noise=cfg.train_noise) if run.converted else contextlib.nullcontext()
+        dtype = _AUTOCAST.get(cfg.precision)
+        precision = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+        with routing, precision:
+            logits = run.train_model(x)
+        loss, parts = run.objective(run.model, logits, y, self.step)  # labels tiled inside for route="tile"
+
+        # backward and update (fp16: scaled loss; XLA: average gradients across replicas)
+        run.optimizer.zero_grad(set_to_none=True)
+        run.scaler.scale(loss).backward()
+        run.dist.reduce_gradients(run.optimizer)
+        if cfg.grad_clip is not None:
+            run.scaler.unscale_(run.optimizer)
+            parts["grad_norm"] = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip).detach()
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.scheduler.step()
+        run.dist.mark_step()
+        return parts
+
+    def _log_train(self, run: _Run, sums: dict[str, Tensor], steps: int, examples_per_s: float) -> None:
         # means over the last `steps` steps and over processes; .item() here is a device sync point
-        means = {key: float(self.dist.all_reduce_mean(value)) / steps for key, value in sums.items()}
+        means = {key: float(run.dist.all_reduce_mean(value)) / steps for key, value in sums.items()}
         self.last = means
         record = {"kind": "train", "step": self.step, "epoch": self.epoch, **means}
-        record["lr"] = optimizer.param_groups[0]["lr"]
+        record["lr"] = run.optimizer.param_groups[0]["lr"]
         record["examples_per_s"] = round(examples_per_s, 2)
-        log.write(record)
+        run.log.write(record)
 
-    def _evaluate(self, log: MetricsLog, model: nn.Module) -> None:
-        if self.dist.is_main:
+    def _evaluate(self, run: _Run) -> None:
+        if run.dist.is_main:
             results = evaluate(
-                model,
+                run.model,
                 self.data.test,
                 samples=self.config.eval_samples,
-                device=self.dist.device,
+                device=run.dist.device,
                 transform=self.data.normalize,
                 members=False,
             )
             self.results = results
-            log.write({"kind": "eval", "split": "test", "step": self.step, "epoch": self.epoch,
-                       **{k: results[k] for k in ("nll", "accuracy", "ece", "brier")}})  # fmt: skip
+            metrics = {k: results[k] for k in ("nll", "accuracy", "ece", "brier")}
+            run.log.write({"kind": "eval", "split": "test", "step": self.step, "epoch": self.epoch, **metrics})
+            if self.config.progress is not False:
+                print(
+                    f"epoch {self.epoch}/{self.config.epochs} step {self.step}: test NLL {metrics['nll']:.4f}  "
+                    f"accuracy {metrics['accuracy']:.4f}  ECE {metrics['ece']:.4f}",
+                    flush=True,
+                )
         else:
-            self.results = {"rank": self.dist.rank}
-        self.dist.barrier()
+            self.results = {"rank": run.dist.rank}
+        run.dist.barrier()
 
-    def _save(
-        self,
-        path: Path,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        scaler: torch.amp.GradScaler,
-        batch: int,
-        steps_per_epoch: int,
-    ) -> None:
+    def _save(self, run: _Run, batch: int) -> None:
         epoch = self.epoch
-        if batch >= steps_per_epoch:  # saved after an epoch's last step: the next one starts fresh
+        if batch >= run.steps_per_epoch:  # saved after an epoch's last step: the next one starts fresh
             epoch, batch = epoch + 1, 0
-        rng = self._gather_rng()
-        if self.dist.is_main:
+        rng = self._gather_rng(run.dist)
+        if run.dist.is_main:
             state = {
-                "model": unwrap(model).state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict(),
+                "model": unwrap(run.model).state_dict(),
+                "optimizer": run.optimizer.state_dict(),
+                "scheduler": run.scheduler.state_dict(),
+                "scaler": run.scaler.state_dict(),
                 "step": self.step,
                 "epoch": epoch,
                 "batch": batch,
@@ -495,16 +391,17 @@ class Trainer:
             }
             # device-independent file: every tensor on the CPU (GPU / XLA states included)
             state = tree_map(lambda t: t.detach().cpu() if isinstance(t, Tensor) else t, state)
-            save_checkpoint(state, path)
-        self.dist.barrier()
+            save_checkpoint(state, run.checkpoint)
+        run.dist.barrier()
 
-    def _gather_rng(self) -> list[dict[str, Any]]:
+    @staticmethod
+    def _gather_rng(dist: Distributed) -> list[dict[str, Any]]:
         """Every process's RNG states (rank order), so that each resumes its own streams."""
         state = rng_state()
-        if not self.dist.ddp:
+        if not dist.ddp:
             return [state]
         import torch.distributed as torch_dist
 
-        states: list[Any] = [None] * self.dist.world_size
+        states: list[Any] = [None] * dist.world_size
         torch_dist.all_gather_object(states, state)
         return states

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from bayesify.options import StrOption
 
 __all__ = ["DataBundle", "DataKind", "InMemoryDataset", "data_names", "load_data"]
 
@@ -44,7 +45,7 @@ __all__ = ["DataBundle", "DataKind", "InMemoryDataset", "data_names", "load_data
 _BUILTIN = ("digits", "mnist1d", "breast-cancer", "cifar10", "cifar100")
 
 
-class DataKind(str, Enum):
+class DataKind(StrOption):
     """What the inputs of a data set are."""
 
     IMAGE = "image"
@@ -53,9 +54,6 @@ class DataKind(str, Enum):
     """``[C, L]`` 1-d signals (Conv1d / recurrent models)."""
     TABULAR = "tabular"
     """``[F]`` feature vectors (MLPs)."""
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class InMemoryDataset(Dataset):

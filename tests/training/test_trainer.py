@@ -107,10 +107,10 @@ def test_mixture_likelihood_gradient_clipping_and_the_deterministic_baseline(tmp
     _train(_config(tmp_path, "mix", route="tile", likelihood="mixture", grad_clip=1.0, max_steps=4), digits)
     record = json.loads((tmp_path / "mix" / "metrics.jsonl").read_text().splitlines()[0])
     assert "grad_norm" in record
-    model, results = _train(_config(tmp_path, "det", components=0, max_steps=4, optimizer="sgd", lr=0.05), digits)
+    model, results = _train(_config(tmp_path, "det", deterministic=True, max_steps=4, optimizer="sgd", lr=0.05), digits)
     assert results["components"] == 1 and results["samples"] == 1
 
 
 def test_torch_compile_path(tmp_path, digits):
-    model, results = _train(_config(tmp_path, compile=True, max_steps=2, components=0), digits)
+    model, results = _train(_config(tmp_path, compile=True, max_steps=2, deterministic=True), digits)
     assert results["accuracy"] >= 0.0

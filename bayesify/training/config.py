@@ -1,0 +1,130 @@
+"""``TrainConfig``: everything a training run needs, saved in its checkpoint.
+
+A ``TrainConfig`` *is* a :class:`~bayesify.Rank1Config` (the conversion options, declared once
+there) plus the training options below; ``config.rank1`` is the conversion part alone. Every
+field has a one-line help, from which ``bayesify train`` generates its flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from bayesify.config import Rank1Config
+from bayesify.options import Init, Route, StrOption, option
+from bayesify.training.objective import Likelihood
+from bayesify.training.optim import OptimizerName
+
+__all__ = ["Precision", "TrainConfig"]
+
+
+class Precision(StrOption):
+    """Numeric precision of the forward pass."""
+
+    FP32 = "32"
+    """float32 throughout."""
+    BF16 = "bf16"
+    """bfloat16 autocast (CPU, recent GPUs, TPU); no loss scaling needed."""
+    FP16 = "fp16"
+    """float16 autocast with a GradScaler (GPUs)."""
+
+
+# conversion options a checkpoint of release 0.1 stored flat, and how they read now
+_LEGACY_DETERMINISTIC = 0  # components=0 meant "train the network as it is"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(Rank1Config):
+    """The settings of one run: the conversion options (inherited from ``Rank1Config``) and these.
+
+    Example:
+        >>> config = TrainConfig(model="cnn", data="digits", epochs=5, out="runs/x", prior_std=0.05)
+        >>> bundle = load_data(config.data)
+        >>> results = Trainer(config, build_model(config, bundle), bundle).run()
+    """
+
+    # the trainer's own start for the means (convert's default, 'preserve', is for pretrained networks):
+    # Normal(1, init_mean_std), the reference's random_sign_init < 0 mode. Random signs (the CIFAR/ImageNet
+    # presets) cost 2/prior_std^2 nats of KL per -1 entry, which swamps small data sets
+    init: Init = option(Init.NORMAL, "posterior means at the start (see Rank1Config.init); 'preserve' with --pretrained")
+    # what to train (names resolved by bayesify.zoo.models.create_model / bayesify.zoo.data.load_data)
+    model: str = option("cnn", "built-in (cnn, cnn1d, mlp), timm or torchvision name, or package.module:factory")
+    data: str = option("digits", "digits, mnist1d, breast-cancer, cifar10, cifar100, or folder:PATH")
+    data_dir: str | None = option(None, "where torchvision data sets are (CIFAR)")
+    pretrained: bool = option(False, "start from the library's pretrained weights")
+    deterministic: bool = option(False, "train the network as it is, without converting it (a baseline)")
+    # objective
+    route: Route = option(Route.SAMPLE, "sample: one component per example (~1x cost); tile: every example through all K (the paper)")
+    likelihood: Likelihood = option(Likelihood.AVERAGE, "average: per-component NLL; mixture: -log mean_k p (needs --route tile)")
+    l2: float = option(1e-4, "L2 prior coefficient on the point-estimated weights (reference 1e-4)")
+    l2_norm_layers: bool = option(True, "include normalisation layers in the L2 term (CIFAR reference)")
+    kl_annealing_epochs: float | None = option(None, "epochs over which the KL weight rises to 1 (default: 2/3 of training)")
+    train_noise: bool = option(True, "sample r, s during training (off: posterior means, e.g. for tests)")
+    # optimisation
+    optimizer: OptimizerName = option(OptimizerName.ADAM, "sgd (Nesterov momentum; CIFAR/ImageNet), adam (MIMIC), adamw")
+    lr: float = option(1e-3, "learning rate")
+    momentum: float = option(0.9, "SGD momentum")
+    nesterov: bool = option(True, "Nesterov momentum for SGD")
+    fast_weight_lr_multiplier: float = option(1.0, "learning-rate multiplier of the rank-1 r / s parameters")
+    warmup_epochs: float = option(0.0, "linear learning-rate warm-up")
+    decay_epochs: tuple[float, ...] = option((), "epochs at which the learning rate decays, e.g. 80,160,180")
+    decay_ratio: float = option(0.2, "learning-rate factor at each decay epoch")
+    grad_clip: float | None = option(None, "max global gradient norm")
+    epochs: int = option(10, "epochs")
+    max_steps: int | None = option(None, "stop after this many optimizer steps (e.g. MIMIC's 25k)")
+    batch_size: int = option(64, "unique examples per step, all processes together (tiled K times by --route tile)")
+    # evaluation during training
+    eval_samples: int = option(1, "posterior samples per component at evaluation")
+    eval_every: int = option(1, "epochs between test-set evaluations (0: only at the end)")
+    # system
+    device: str = option("auto", "auto, cpu, cuda, cuda:N, xla")
+    precision: Precision = option(Precision.FP32, "32, bf16 (autocast) or fp16 (autocast + GradScaler)")
+    compile: bool = option(False, "torch.compile the model")
+    num_workers: int = option(0, "data loader worker processes")
+    seed: int = option(0, "seed of the initialisation, the data order and the posterior noise")
+    log_every: int = option(10, "steps between lines in metrics.jsonl")
+    checkpoint_every: int = option(0, "steps between checkpoints (0: at the end of each epoch only)")
+    out: str = option("runs/default", "run directory: metrics.jsonl, checkpoint.pt, reports")
+    resume: bool = option(False, "continue the run in --out")
+    progress: bool | None = option(None, "progress bars and per-epoch lines (default: bars only on a terminal)")
+
+    def __post_init__(self) -> None:
+        if self.components == _LEGACY_DETERMINISTIC and not isinstance(self.components, bool):
+            raise ValueError(
+                "components=0 is not a number of mixture components; to train the network as it is, pass "
+                "deterministic=True (--deterministic)."
+            )
+        super().__post_init__()
+        object.__setattr__(self, "decay_epochs", tuple(float(e) for e in self.decay_epochs))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        """A config from :meth:`to_dict`'s output (a checkpoint's ``config``), earlier releases' included."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in values.items() if k in known}
+        if kwargs.get("components") == _LEGACY_DETERMINISTIC:  # release 0.1: components=0 was the baseline
+            kwargs["components"], kwargs["deterministic"] = Rank1Config.components, True
+        if "decay_epochs" in kwargs:
+            kwargs["decay_epochs"] = tuple(kwargs["decay_epochs"])
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        """Raise a ValueError naming the first bad value and its fix (beyond what construction checks)."""
+        if self.route not in (Route.SAMPLE, Route.TILE):
+            raise ValueError(f"route={str(self.route)!r} must be 'sample' or 'tile' for training.")
+        if self.likelihood is Likelihood.MIXTURE and self.route is Route.SAMPLE and not self.deterministic:
+            raise ValueError(
+                "likelihood='mixture' needs every example through all components: use --route tile "
+                "(or --likelihood average with --route sample)."
+            )
+        for name in ("epochs", "batch_size", "log_every", "eval_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps={self.max_steps!r} must be >= 1 (or None: run all epochs).")
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr!r} must be > 0.")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip={self.grad_clip!r} must be > 0 (or None: no clipping).")

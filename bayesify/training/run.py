@@ -1,0 +1,130 @@
+"""A run directory: what ``bayesify train`` leaves in ``--out``, and how a run is started, resumed or rebuilt.
+
+    OUT/checkpoint.pt     model, optimizer, schedule, scaler, step / epoch / batch, config, RNG states
+    OUT/metrics.jsonl     one JSON line per log window and per evaluation
+    OUT/report.md, OUT/evaluation.json, OUT/*.png   written by ``bayesify evaluate``
+
+The file names are spelled here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import bayesify
+from bayesify.training.checkpoint import load_checkpoint
+from bayesify.training.config import TrainConfig
+from bayesify.training.recipes import apply_preset
+from bayesify.zoo.data import DataBundle, load_data
+from bayesify.zoo.models import create_model
+
+__all__ = [
+    "CHECKPOINT",
+    "EVALUATION",
+    "METRICS",
+    "REPORT",
+    "build_model",
+    "load_run",
+    "new_run_config",
+    "restore_model",
+    "resume_run_config",
+    "train",
+]
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+REPORT = "report.md"
+EVALUATION = "evaluation.json"
+
+
+def build_model(config: TrainConfig, bundle: DataBundle) -> nn.Module:
+    """``create_model`` for the data, converted with ``config``'s options unless ``deterministic``; seeded."""
+    torch.manual_seed(config.seed)
+    model = create_model(
+        config.model,
+        in_channels=bundle.in_channels,
+        num_classes=bundle.num_classes,
+        input_shape=bundle.input_shape,
+        kind=bundle.kind,
+        pretrained=config.pretrained,
+    )
+    if not config.deterministic:
+        bayesify.convert(model, config.rank1)
+    return model
+
+
+def new_run_config(explicit: dict[str, Any], preset: str | None = None) -> TrainConfig:
+    """The config of a new run in ``explicit["out"]``: the preset (if any), then the explicit values.
+
+    Raises:
+        ValueError: ``out`` already holds a run, or ``model`` / ``data`` is missing.
+    """
+    out = Path(explicit.get("out", TrainConfig.out))
+    if (out / CHECKPOINT).exists():
+        raise ValueError(
+            f"{out} already holds a checkpoint; pass --resume to continue that run, or choose another --out "
+            "(nothing was overwritten)."
+        )
+    missing = [f"--{k}" for k in ("model", "data") if k not in explicit]
+    if missing:
+        raise ValueError(
+            f"train needs {' and '.join(missing)} (e.g. --model cnn --data digits) unless it --resume's a run."
+        )
+    values = apply_preset(preset, explicit)
+    if values.get("pretrained") and "init" not in explicit:
+        values["init"] = "preserve"  # keep the pretrained network's function at the start
+    return TrainConfig(**values)
+
+
+def resume_run_config(explicit: dict[str, Any]) -> TrainConfig:
+    """The config of the run in ``explicit["out"]`` with ``explicit`` values on top (e.g. more epochs).
+
+    Raises:
+        ValueError: no checkpoint there, or a different ``model`` / ``data`` than the run trained.
+    """
+    out = Path(explicit["out"])
+    if not (out / CHECKPOINT).exists():
+        raise ValueError(f"--resume: there is no checkpoint at {out / CHECKPOINT}; drop --resume to start a new run there.")
+    saved = load_checkpoint(out / CHECKPOINT)["config"]
+    for key in ("model", "data"):
+        if key in explicit and explicit[key] != saved[key]:
+            raise ValueError(
+                f"--{key} {explicit[key]} differs from the run in {out}, which trained --{key} {saved[key]}; "
+                f"resume without --{key}, or train a new run in another --out."
+            )
+    return TrainConfig.from_dict({**saved, **explicit, "resume": True})
+
+
+def load_run(out: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
+    """The config and the checkpoint state of the run in ``out`` (a CheckpointError names the fix)."""
+    state = load_checkpoint(Path(out) / CHECKPOINT)
+    return TrainConfig.from_dict(state["config"]), state
+
+
+def restore_model(
+    config: TrainConfig, state: dict[str, Any], bundle: DataBundle
+) -> nn.Module:
+    """The run's model rebuilt and loaded with the checkpoint's weights (no pretrained download)."""
+    model = build_model(dataclasses.replace(config, pretrained=False), bundle)
+    model.load_state_dict(state["model"])
+    return model
+
+
+def train(config: TrainConfig, *, download: bool = False) -> dict[str, Any]:
+    """Load the data, build the model and train it (a resumed run takes its weights from the checkpoint)."""
+    from bayesify.training.trainer import Trainer
+
+    bundle = load_data(config.data, config.data_dir, download=download, seed=0)
+    model = build_model(dataclasses.replace(config, pretrained=False) if config.resume else config, bundle)
+    try:
+        return Trainer(config, model, bundle).run()
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
