@@ -21,11 +21,12 @@ References:
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from bayesify.mixture import logmeanexp
 
 __all__ = [
     "accuracy",
@@ -69,7 +70,7 @@ def _check(member_log_probs: Tensor, labels: Tensor) -> None:
 
 def mixture_log_probs(member_log_probs: Tensor) -> Tensor:
     """``log mean_s p_s``: the uniform mixture's log-probabilities ``[N, C]``."""
-    return torch.logsumexp(member_log_probs, 0) - math.log(member_log_probs.shape[0])
+    return logmeanexp(member_log_probs, 0)
 
 
 def negative_log_likelihood(member_log_probs: Tensor, labels: Tensor) -> Tensor:
@@ -78,7 +79,7 @@ def negative_log_likelihood(member_log_probs: Tensor, labels: Tensor) -> Tensor:
     s = member_log_probs.shape[0]
     index = labels.view(1, -1, 1).expand(s, -1, 1)
     log_lik = member_log_probs.gather(-1, index).squeeze(-1)  # [S, N]
-    return (-torch.logsumexp(log_lik, 0) + math.log(s)).mean()
+    return -logmeanexp(log_lik, 0).mean()
 
 
 def accuracy(probs: Tensor, labels: Tensor) -> Tensor:

@@ -1,0 +1,72 @@
+"""Every conversion option is declared once (Rank1Config) and reachable from convert(), TrainConfig and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+
+import pytest
+
+import bayesify
+from bayesify import cli
+from bayesify.config import Rank1Config
+from bayesify.options import StrOption
+from bayesify.training import TrainConfig, build_model
+from bayesify.zoo.data import load_data
+
+FIELDS = dataclasses.fields(Rank1Config)
+HINTS = typing.get_type_hints(Rank1Config)
+# where the first other value would be invalid on its own (a Cauchy posterior needs a Cauchy prior)
+SPECIAL = {"posterior": "delta"}
+
+
+def _other_value(f: dataclasses.Field) -> object:
+    """A valid value different from the field's default, derived from its type."""
+    if f.name in SPECIAL:
+        return SPECIAL[f.name]
+    kind = HINTS[f.name]
+    base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+    if isinstance(base, type) and issubclass(base, StrOption):
+        return next(m for m in base if m != f.default).value
+    if base is bool:
+        return not f.default
+    if base is int:
+        return f.default + 1
+    if f.default is None:
+        return 0.01
+    return f.default / 2 if f.default else 0.05
+
+
+def _flag(name: str, value: object) -> list[str]:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + name.replace("_", "-")]
+    return [flag, str(value)]
+
+
+def test_convert_signature_lists_every_option_with_its_default() -> None:
+    params = inspect.signature(bayesify.convert).parameters
+    for f in FIELDS:
+        assert f.name in params, f"convert() does not show option {f.name}"
+        assert params[f.name].default == f.default
+        assert f"{f.name}:" in bayesify.convert.__doc__
+
+
+@pytest.mark.parametrize("field", FIELDS, ids=[f.name for f in FIELDS])
+def test_every_option_reaches_the_layers_from_the_cli(field: dataclasses.Field, tmp_path) -> None:
+    value = _other_value(field)
+    argv = ["train", "--model", "mlp", "--data", "breast-cancer", "--out", str(tmp_path / "run"), *_flag(field.name, value)]
+    config = cli._train_config(cli._parser().parse_args(argv))
+    assert getattr(config, field.name) == value, f"--{field.name} did not reach TrainConfig"
+    assert isinstance(config, Rank1Config) and getattr(config.rank1, field.name) == value
+    model = build_model(config, load_data("breast-cancer"))
+    layer = next(layer for _, layer in bayesify.rank1_layers(model))
+    assert getattr(layer.rank1_config, field.name) == value, f"{field.name} did not reach the converted layers"
+
+
+def test_unknown_options_are_named() -> None:
+    from torch import nn
+
+    with pytest.raises(TypeError, match=r"unknown conversion option\(s\) \['prior_sd'\]; the options are: components"):
+        bayesify.convert(nn.Linear(2, 2), prior_sd=0.1)
