@@ -20,7 +20,7 @@ References:
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -136,10 +136,11 @@ def fuse_detections(
         TypeError / ValueError: members that are not S lists of equally many torchvision-style dicts.
 
     Example:
-        >>> a = [{"boxes": torch.tensor([[0.0, 0, 10, 10]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.9])}]
-        >>> b = [{"boxes": torch.tensor([[1.0, 0, 11, 10]]), "labels": torch.tensor([1]), "scores": torch.tensor([0.7])}]
-        >>> fuse_detections([a, b])[0]["agreement"]
-        tensor([1.])
+        >>> def one_box(box, score):  # one image with one box of label 1
+        ...     return [{"boxes": torch.tensor([box]), "labels": torch.tensor([1]), "scores": torch.tensor([score])}]
+        >>> fused = fuse_detections([one_box([0.0, 0, 10, 10], 0.9), one_box([1.0, 0, 11, 10], 0.7)])
+        >>> fused[0]["agreement"], fused[0]["scores"]
+        (tensor([1.]), tensor([0.8000]))
 
     References:
         Solovyev et al., Image and Vision Computing 107, 2021, Algorithm 1.
@@ -153,7 +154,9 @@ def fuse_detections(
         raise TypeError("every member must be a list over images of detection dicts (torchvision's output format).")
     images = len(members[0])
     if any(len(m) != images for m in members):
-        raise ValueError(f"members cover different numbers of images: {[len(m) for m in members]}; each must cover all.")
+        raise ValueError(
+            f"members cover different numbers of images: {[len(m) for m in members]}; each must cover all."
+        )
     if isinstance(iou_threshold, bool) or not isinstance(iou_threshold, (int, float)) or not 0 <= iou_threshold <= 1:
         raise ValueError(f"iou_threshold={iou_threshold!r} must be a number in [0, 1] (WBF's default: 0.55).")
 

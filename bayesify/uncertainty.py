@@ -81,8 +81,8 @@ def _check_members(members: Tensor, name: str, min_dim: int) -> None:
         raise ValueError(f"{name} of shape {tuple(members.shape)} has no members (its leading axis is 0).")
 
 
-def _member_class_axis(members: Tensor, class_axis: int) -> int:
-    """The class axis of the stacked ``[S, ...]`` tensor, from ``class_axis`` of one member's output."""
+def _output_class_axis(members: Tensor, class_axis: int) -> int:
+    """``class_axis`` of one member's output as a non-negative axis, checked against the members' shape."""
     output_dims = members.dim() - 1
     if isinstance(class_axis, bool) or not isinstance(class_axis, int):
         raise TypeError(f"class_axis={class_axis!r} must be an integer axis of one member's output.")
@@ -92,7 +92,24 @@ def _member_class_axis(members: Tensor, class_axis: int) -> int:
             f"(valid: {-output_dims} to {output_dims - 1}); it counts axes of one member's output, without the "
             "leading member axis."
         )
-    return class_axis % output_dims + 1
+    return class_axis % output_dims
+
+
+def _member_log_probs(member: Tensor, axis: int, log_probs: bool, class_axis: int) -> Tensor:
+    """One member's float64 log-probabilities over ``axis``, from logits or checked log-probabilities."""
+    values = member.to(torch.float64)
+    if not log_probs:
+        return values.log_softmax(axis)
+    total = torch.logsumexp(values, axis)
+    # logits passed as log-probabilities would give the entropies of some other distribution
+    tolerance = {torch.float64: 1e-6, torch.float32: 1e-4}.get(member.dtype, 1e-2)
+    if not torch.all((total.abs() <= tolerance) | total.isnan()):
+        worst = float(total.abs().nan_to_num(0.0).max())
+        raise ValueError(
+            f"log_probs=True but the members' probabilities do not sum to 1 over class_axis={class_axis} "
+            f"(|logsumexp| up to {worst:.3g}); pass log_probs=False for logits, or check class_axis."
+        )
+    return values
 
 
 def _entropy(log_probs: Tensor, dim: int) -> Tensor:
@@ -171,39 +188,38 @@ def classification_uncertainty(
         Sec. 3.3.1 (variation ratio).
     """
     _check_members(members, "members", min_dim=2)
-    axis = _member_class_axis(members, class_axis)
-    values = members.to(torch.float64)
-    if log_probs:
-        total = torch.logsumexp(values, axis)
-        # a member's logits passed as log-probabilities would give entropies of the wrong distribution
-        tolerance = {torch.float64: 1e-6, torch.float32: 1e-4}.get(members.dtype, 1e-2)
-        if not torch.all((total.abs() <= tolerance) | total.isnan()):
-            worst = float(total.abs().nan_to_num(0.0).max())
-            raise ValueError(
-                f"log_probs=True but the members' probabilities do not sum to 1 over class_axis={class_axis} "
-                f"(|logsumexp| up to {worst:.3g}); pass log_probs=False for logits, or check class_axis."
-            )
-        member_log_probs = values
-    else:
-        member_log_probs = values.log_softmax(axis)
+    axis = _output_class_axis(members, class_axis)
+    dtype = _result_dtype(members)
+    # one member at a time: peak memory is a few float64 copies of one member's output rather
+    # than of all S (segmentation members are large); the sums are the same
+    mixture_log_probs, summed_entropy, kept = None, None, []
+    for member in members:
+        log_probs_s = _member_log_probs(member, axis, log_probs, class_axis)
+        entropy_s = _entropy(log_probs_s, axis)
+        if mixture_log_probs is None:
+            mixture_log_probs, summed_entropy = log_probs_s, entropy_s
+        else:
+            mixture_log_probs = torch.logaddexp(mixture_log_probs, log_probs_s)
+            summed_entropy = summed_entropy + entropy_s
+        if keep_members:
+            kept.append(log_probs_s.exp().to(dtype))
     count = members.shape[0]
-    mixture_log_probs = torch.logsumexp(member_log_probs, 0) - math.log(count)
-    mixture_axis = axis - 1
-    predictive = _entropy(mixture_log_probs, mixture_axis)
-    expected = _entropy(member_log_probs, axis).mean(0)
+    mixture_log_probs = mixture_log_probs - math.log(count)
+    predictive = _entropy(mixture_log_probs, axis)
+    expected = summed_entropy / count
     # >= 0 by Jensen's inequality; the clamp only removes float64 rounding of the difference
     mutual_information = (predictive - expected).clamp_min(0.0)
-    agree = member_log_probs.argmax(axis) == mixture_log_probs.argmax(mixture_axis)
-    variation_ratio = 1.0 - agree.to(torch.float64).mean(0)
-    dtype = _result_dtype(members)
+    # softmax keeps the order of the logits, so a member's argmax is that of its raw output
+    prediction = mixture_log_probs.argmax(axis)
+    agreeing = sum((member.argmax(axis) == prediction).to(torch.float64) for member in members)
     return ClassificationUncertainty(
         probs=mixture_log_probs.exp().to(dtype),
         predictive_entropy=predictive.to(dtype),
         expected_entropy=expected.to(dtype),
         mutual_information=mutual_information.to(dtype),
-        variation_ratio=variation_ratio.to(dtype),
-        class_axis=mixture_axis,
-        member_probs=member_log_probs.exp().to(dtype) if keep_members else None,
+        variation_ratio=(1.0 - agreeing / count).to(dtype),
+        class_axis=axis,
+        member_probs=torch.stack(kept) if keep_members else None,
     )
 
 
@@ -270,25 +286,37 @@ def binary_uncertainty(member_logits: Tensor, *, keep_members: bool = False) -> 
         Depeweg et al., ICML 2018, Eq. 5, with Bernoulli entropies.
     """
     _check_members(member_logits, "member_logits", min_dim=1)
-    logits = member_logits.to(torch.float64)
+    dtype = _result_dtype(member_logits)
+    # member by member, as in classification_uncertainty; logsigmoid(z) = log p and
+    # logsigmoid(-z) = log(1 - p) stay accurate where p is near 0 or 1
+    mixture_log_p, mixture_log_q, summed_entropy, kept = None, None, None, []
+    for member in member_logits:
+        logits = member.to(torch.float64)
+        log_p, log_q = F.logsigmoid(logits), F.logsigmoid(-logits)
+        entropy_s = _bernoulli_entropy(log_p, log_q)
+        if mixture_log_p is None:
+            mixture_log_p, mixture_log_q, summed_entropy = log_p, log_q, entropy_s
+        else:
+            mixture_log_p = torch.logaddexp(mixture_log_p, log_p)
+            mixture_log_q = torch.logaddexp(mixture_log_q, log_q)
+            summed_entropy = summed_entropy + entropy_s
+        if keep_members:
+            kept.append(log_p.exp().to(dtype))
     count = member_logits.shape[0]
-    # logsigmoid(z) = log p and logsigmoid(-z) = log(1 - p), both accurate where p is near 0 or 1
-    member_log_p, member_log_q = F.logsigmoid(logits), F.logsigmoid(-logits)
-    mixture_log_p = torch.logsumexp(member_log_p, 0) - math.log(count)
-    mixture_log_q = torch.logsumexp(member_log_q, 0) - math.log(count)
+    mixture_log_p, mixture_log_q = mixture_log_p - math.log(count), mixture_log_q - math.log(count)
     predictive = _bernoulli_entropy(mixture_log_p, mixture_log_q)
-    expected = _bernoulli_entropy(member_log_p, member_log_q).mean(0)
+    expected = summed_entropy / count
     mutual_information = (predictive - expected).clamp_min(0.0)
     mixture_probs = mixture_log_p.exp()
-    disagree = (member_log_p.exp() > 0.5) != (mixture_probs > 0.5)
-    dtype = _result_dtype(member_logits)
+    # a member decides "positive" where p_s > 0.5, i.e. where its logit is > 0
+    disagreeing = sum(((member > 0) != (mixture_probs > 0.5)).to(torch.float64) for member in member_logits)
     return BinaryUncertainty(
         probs=mixture_probs.to(dtype),
         predictive_entropy=predictive.to(dtype),
         expected_entropy=expected.to(dtype),
         mutual_information=mutual_information.to(dtype),
-        variation_ratio=disagree.to(torch.float64).mean(0).to(dtype),
-        member_probs=member_log_p.exp().to(dtype) if keep_members else None,
+        variation_ratio=(disagreeing / count).to(dtype),
+        member_probs=torch.stack(kept) if keep_members else None,
     )
 
 

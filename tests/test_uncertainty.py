@@ -106,7 +106,11 @@ def test_log_probs_and_kept_members():
 
 def test_result_dtype_is_float64_for_float64_and_float32_otherwise():
     logits = torch.randn(3, 4, 5)
-    for dtype, expected in [(torch.float64, torch.float64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)]:
+    for dtype, expected in [
+        (torch.float64, torch.float64),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+    ]:
         u = classification_uncertainty(logits.to(dtype))
         assert u.probs.dtype == u.mutual_information.dtype == u.variation_ratio.dtype == expected
         assert binary_uncertainty(logits.to(dtype)).probs.dtype == expected
@@ -178,7 +182,9 @@ def test_mean_only_members_have_no_aleatoric_part_and_a_gaussian_interval():
     assert u.aleatoric_variance.tolist() == [0.0] and u.epistemic_variance.tolist() == pytest.approx([14 / 3])
     lower, upper = u.interval(0.9)
     z = NormalDist().inv_cdf(0.95)
-    assert lower.tolist() == pytest.approx([3 - z * math.sqrt(14 / 3)]) and upper.tolist() == pytest.approx([3 + z * math.sqrt(14 / 3)])
+    assert lower.tolist() == pytest.approx([3 - z * math.sqrt(14 / 3)]) and upper.tolist() == pytest.approx(
+        [3 + z * math.sqrt(14 / 3)]
+    )
     with pytest.raises(ValueError, match="one mean-only member"):
         regression_uncertainty(means[:1]).interval()
 
@@ -192,12 +198,13 @@ def test_interval_bounds_are_the_exact_mixture_quantiles():
     means = torch.tensor([[-2.0, 0.0], [1.0, 0.0], [4.0, 10.0]], dtype=torch.float64)
     variances = torch.tensor([[1.0, 0.25], [0.5, 0.25], [4.0, 1.0]], dtype=torch.float64)
     lower, upper = regression_uncertainty(means, variances).interval(0.8)
-    for d in range(2):
-        def cdf(x: float) -> float:
-            return sum(_gaussian_cdf(x, float(means[s, d]), float(variances[s, d])) for s in range(3)) / 3
 
-        assert cdf(float(lower[d])) == pytest.approx(0.1, abs=1e-12)
-        assert cdf(float(upper[d])) == pytest.approx(0.9, abs=1e-12)
+    def cdf(x: float, d: int) -> float:
+        return sum(_gaussian_cdf(x, float(means[s, d]), float(variances[s, d])) for s in range(3)) / 3
+
+    for d in range(2):
+        assert cdf(float(lower[d]), d) == pytest.approx(0.1, abs=1e-12)
+        assert cdf(float(upper[d]), d) == pytest.approx(0.9, abs=1e-12)
     # one Gaussian member: the textbook mu +- z sigma
     lower, upper = regression_uncertainty(means[:1], variances[:1]).interval(0.95)
     z = NormalDist().inv_cdf(0.975)
@@ -212,7 +219,9 @@ def test_interval_covers_samples_of_the_mixture_at_its_level(level):
     variances = torch.tensor([[0.3, 1.0], [1.0, 0.1], [0.2, 2.0], [0.5, 0.5]], dtype=torch.float64)
     draws = 40_000
     member = torch.randint(4, (draws, 2), generator=generator)
-    samples = means.gather(0, member) + variances.gather(0, member).sqrt() * torch.randn(draws, 2, generator=generator, dtype=torch.float64)
+    samples = means.gather(0, member) + variances.gather(0, member).sqrt() * torch.randn(
+        draws, 2, generator=generator, dtype=torch.float64
+    )
     lower, upper = regression_uncertainty(means, variances).interval(level)
     covered = ((samples >= lower) & (samples <= upper)).to(torch.float64).mean(0)
     tolerance = 4 * math.sqrt(level * (1 - level) / draws)  # 4 binomial standard errors

@@ -28,7 +28,7 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -114,8 +114,8 @@ def regression_metrics(
         "epistemic_std": float(uncertainty.epistemic_variance.to(torch.float64).sqrt().mean()),
     }
     if uncertainty.member_variances is None:
-        return {**out, "nll": None, "coverage": None, "calibration_error": None, "sharpness": None,
-                "note": _NO_VARIANCE_NOTE}  # fmt: skip
+        missing = dict.fromkeys(("nll", "coverage", "calibration_error", "sharpness"))
+        return {**out, **missing, "note": _NO_VARIANCE_NOTE}
 
     means, variances = uncertainty.member_means, uncertainty.member_variances
     if not torch.all(variances > 0):

@@ -31,7 +31,10 @@ def test_nll_is_the_mixture_density_by_hand():
     m = regression_metrics(means, targets, variances)
     expected = 0.0
     for n in range(2):
-        density = sum(math.exp(_normal_log_density(targets[n].item(), means[s, n].item(), variances[s, n].item())) for s in range(2))
+        density = sum(
+            math.exp(_normal_log_density(targets[n].item(), means[s, n].item(), variances[s, n].item()))
+            for s in range(2)
+        )
         expected += -math.log(density / 2) / 2
     assert m["nll"] == pytest.approx(expected, abs=1e-12)
     assert m["sharpness"] == pytest.approx(float(regression_uncertainty(means, variances).std.mean()), abs=1e-15)
@@ -56,7 +59,10 @@ def test_multi_output_nll_is_the_joint_density_per_example():
     for n in range(4):
         density = 0.0
         for s in range(3):
-            log_joint = sum(_normal_log_density(targets[n, d].item(), means[s, n, d].item(), variances[s, n, d].item()) for d in range(2))
+            log_joint = sum(
+                _normal_log_density(targets[n, d].item(), means[s, n, d].item(), variances[s, n, d].item())
+                for d in range(2)
+            )
             density += math.exp(log_joint) / 3
         expected += -math.log(density) / 4
     assert m["nll"] == pytest.approx(expected, abs=1e-12)
@@ -93,7 +99,9 @@ def test_coverage_is_the_fraction_inside_the_uncertainty_intervals():
     for level in (0.3, 0.8):
         lower, upper = u.interval(level)
         assert m["coverage"][level] == ((targets >= lower) & (targets <= upper)).double().mean().item()
-    calibration = sum(abs(p - regression_metrics(means, targets, variances, levels=(p,))["coverage"][p]) for p in CALIBRATION_LEVELS)
+    calibration = sum(
+        abs(p - regression_metrics(means, targets, variances, levels=(p,))["coverage"][p]) for p in CALIBRATION_LEVELS
+    )
     assert m["calibration_error"] == pytest.approx(calibration / 19, abs=1e-15)
 
 
