@@ -58,9 +58,10 @@ __all__ = [
     "regression_uncertainty",
 ]
 
-# 50 halvings shrink the bracket of a mixture quantile by 2**-50 ~ 1e-15 of its width: float64
-# resolution at the scale of the members' spread, with a fixed count so there is no device sync.
-_BISECTION_STEPS = 50
+# a mixture quantile is found to 1e-12 of the spread of the members' own quantiles; bisection
+# alone would need ~40 steps for that, so the cap is never reached by a converging search
+_QUANTILE_TOLERANCE = 1e-12
+_MAX_QUANTILE_STEPS = 100
 
 
 def _result_dtype(x: Tensor) -> torch.dtype:
@@ -329,33 +330,54 @@ def _normal_quantile(q: float) -> float:
     return statistics.NormalDist().inv_cdf(q)
 
 
+def _standardize(x: Tensor, means: Tensor, stds: Tensor) -> Tensor:
+    """``(x - mu_s) / sigma_s``, or +-inf for a point mass (``sigma_s = 0``) so that its CDF steps at ``mu_s``."""
+    point_mass = torch.where(x >= means, math.inf, -math.inf)
+    return torch.where(stds > 0, (x - means) / stds, point_mass)
+
+
 def mixture_cdf(x: Tensor, means: Tensor, stds: Tensor) -> Tensor:
     """``mean_s Phi((x - mu_s) / sigma_s)``: the CDF of a uniform mixture of Gaussians at ``x``.
 
     ``means`` and ``stds`` are ``[S, ...]``; ``x`` has the shape after the member axis. A member
     with ``sigma_s = 0`` is a point mass (its CDF steps from 0 to 1 at ``mu_s``).
     """
-    z = (x - means) / stds
-    point_mass = torch.where(x >= means, math.inf, -math.inf)
-    return torch.special.ndtr(torch.where(stds > 0, z, point_mass)).mean(0)
+    return torch.special.ndtr(_standardize(x, means, stds)).mean(0)
 
 
 def mixture_quantile(q: float, means: Tensor, stds: Tensor) -> Tensor:
-    """The ``q``-quantile of a uniform mixture of Gaussians, by bisection.
+    """The ``q``-quantile of a uniform mixture of Gaussians (float64 in, float64 out).
 
     The mixture's quantile lies between the smallest and the largest of the members' own
-    ``q``-quantiles (at the smallest every member CDF is <= q, at the largest every one is >= q),
-    which brackets the root of ``mixture_cdf(x) = q`` for bisection.
+    ``q``-quantiles (at the smallest every member CDF is <= q, at the largest every one is >= q).
+    Starting from that bracket, each step takes Newton's step on ``mixture_cdf(x) = q`` where it
+    stays inside the bracket and bisects otherwise (and where the density is 0: point masses),
+    shrinking the bracket as it goes, until the steps are below ``1e-12`` of the bracket's width.
+    Newton's quadratic convergence needs far fewer evaluations of the CDF than bisection alone
+    (which matters for per-pixel intervals); the bracket keeps bisection's guarantee.
+
+    References:
+        Press et al., "Numerical Recipes", 3rd ed., Sec. 9.4 (``rtsafe``: Newton with bisection).
     """
     _check_probability(q, "q")
     member_quantiles = means + stds * _normal_quantile(q)
     low, high = member_quantiles.amin(0), member_quantiles.amax(0)
-    for _ in range(_BISECTION_STEPS):
-        middle = (low + high) / 2
-        below = mixture_cdf(middle, means, stds) < q
-        low = torch.where(below, middle, low)
-        high = torch.where(below, high, middle)
-    return (low + high) / 2
+    tolerance = _QUANTILE_TOLERANCE * (high - low)
+    x = (low + high) / 2
+    for _ in range(_MAX_QUANTILE_STEPS):
+        z = _standardize(x, means, stds)
+        cdf = torch.special.ndtr(z).mean(0)
+        density = torch.where(stds > 0, torch.exp(-0.5 * z.square()) / (math.sqrt(2 * math.pi) * stds), 0.0).mean(0)
+        below = cdf < q
+        low, high = torch.where(below, x, low), torch.where(below, high, x)
+        # inf or nan where the density is 0 (never inside, so bisect); a converged Newton step lands
+        # on x, which is now an end of the bracket, so the ends count as inside
+        newton = x - (cdf - q) / density
+        step = torch.where((newton >= low) & (newton <= high), newton, (low + high) / 2) - x
+        x = x + step
+        if bool(torch.all((step.abs() <= tolerance) | (high - low <= tolerance))):
+            break
+    return x
 
 
 @dataclass
@@ -395,17 +417,18 @@ class RegressionUncertainty:
                     "one mean-only member has no predictive spread, so it has no interval; pass member_variances "
                     "(a Gaussian head, see gaussian_head) or several members (bayesify.predict(..., samples=M))."
                 )
-            means = self.mean.to(torch.float64)
-            return (means + self.epistemic_variance.to(torch.float64).sqrt() * _normal_quantile(q)).to(self.mean.dtype)
-        stds = self.member_variances.sqrt()
-        return mixture_quantile(q, self.member_means, stds).to(self.mean.dtype)
+            # the moment-matched Gaussian, from the float64 members rather than the rounded fields
+            center = self.member_means.mean(0)
+            spread = (self.member_means - center).square().mean(0).sqrt()
+            return (center + spread * _normal_quantile(q)).to(self.mean.dtype)
+        return mixture_quantile(q, self.member_means, self.member_variances.sqrt()).to(self.mean.dtype)
 
     def interval(self, level: float = 0.95) -> tuple[Tensor, Tensor]:
         """The central predictive interval holding probability ``level``: ``(lower, upper)``.
 
         With Gaussian members (``member_variances`` given) the bounds are the exact quantiles
-        ``(1 - level) / 2`` and ``(1 + level) / 2`` of the mixture of Gaussians, found by
-        bisection. With mean-only members they are those of the moment-matched Gaussian
+        ``(1 - level) / 2`` and ``(1 + level) / 2`` of the mixture of Gaussians
+        (:func:`mixture_quantile`: Newton's method safeguarded by bisection). With mean-only members they are those of the moment-matched Gaussian
         ``N(mean, epistemic_variance)``: an interval of the members' disagreement only, with no
         noise model (it covers targets only as far as the members' spread does).
 

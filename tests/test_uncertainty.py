@@ -228,6 +228,28 @@ def test_interval_covers_samples_of_the_mixture_at_its_level(level):
     assert torch.all((covered - level).abs() < tolerance), covered
 
 
+def _bisection_quantile(q: float, means: torch.Tensor, stds: torch.Tensor) -> torch.Tensor:
+    """The reference: plain bisection of the mixture CDF on a wide bracket, 200 halvings."""
+    low, high = means.amin(0) - 50 * stds.amax(0) - 1, means.amax(0) + 50 * stds.amax(0) + 1
+    for _ in range(200):
+        middle = (low + high) / 2
+        below = mixture_cdf(middle, means, stds) < q
+        low, high = torch.where(below, middle, low), torch.where(below, high, middle)
+    return (low + high) / 2
+
+
+@pytest.mark.parametrize("q", [0.01, 0.3, 0.5, 0.975])
+def test_mixture_quantile_matches_plain_bisection(q):
+    generator = torch.Generator().manual_seed(4)
+    means = torch.randn(5, 300, generator=generator, dtype=torch.float64) * 10
+    stds = torch.rand(5, 300, generator=generator, dtype=torch.float64) * 3
+    stds[0, :100] = 0.0  # point masses
+    stds[1, 100:200] = 1e-6  # very narrow members next to wide ones
+    means[2, 200:] = 1e4  # one member far from the others
+    reference = _bisection_quantile(q, means, stds)
+    assert torch.allclose(mixture_quantile(q, means, stds), reference, rtol=0, atol=1e-7)
+
+
 def test_point_mass_members_have_step_quantiles():
     means, stds = torch.tensor([[0.0], [1.0]], dtype=torch.float64), torch.zeros(2, 1, dtype=torch.float64)
     assert mixture_quantile(0.25, means, stds).item() == pytest.approx(0.0, abs=1e-12)
