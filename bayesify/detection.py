@@ -159,6 +159,8 @@ def fuse_detections(
         )
     if isinstance(iou_threshold, bool) or not isinstance(iou_threshold, (int, float)) or not 0 <= iou_threshold <= 1:
         raise ValueError(f"iou_threshold={iou_threshold!r} must be a number in [0, 1] (WBF's default: 0.55).")
+    if isinstance(skip_score, bool) or not isinstance(skip_score, (int, float)):
+        raise TypeError(f"skip_score={skip_score!r} must be a number: boxes scored below it are dropped.")
 
     fused_images = []
     for image in range(images):

@@ -175,8 +175,9 @@ def classification_uncertainty(
         A :class:`ClassificationUncertainty`, float64 for float64 input, else float32.
 
     Raises:
-        ValueError: ``members`` has no member axis, ``class_axis`` is out of range, or
-            ``log_probs=True`` but the values are not normalised.
+        ValueError: ``members`` has no member axis, ``class_axis`` is out of range or holds a
+            single class (a sigmoid output: :func:`binary_uncertainty`), or ``log_probs=True`` but
+            the values are not normalised.
 
     Example:
         >>> members = torch.randn(8, 2, 21, 64, 64)                 # 8 members, segmentation logits
@@ -190,6 +191,12 @@ def classification_uncertainty(
     """
     _check_members(members, "members", min_dim=2)
     axis = _output_class_axis(members, class_axis)
+    if members.shape[axis + 1] == 1:
+        # a softmax over one class is always certain: this is a sigmoid head's single logit
+        raise ValueError(
+            f"class_axis={class_axis} of member outputs {tuple(members.shape[1:])} holds one class; a single logit "
+            "is a sigmoid output: use binary_uncertainty(members), or pick the class axis."
+        )
     dtype = _result_dtype(members)
     # one member at a time: peak memory is a few float64 copies of one member's output rather
     # than of all S (segmentation members are large); the sums are the same

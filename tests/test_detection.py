@@ -109,3 +109,5 @@ def test_bad_input_is_refused():
         fuse_detections([[{**good, "labels": torch.ones(1)}]])
     with pytest.raises(ValueError, match="iou_threshold"):
         fuse_detections([[good]], iou_threshold=1.5)
+    with pytest.raises(TypeError, match="skip_score"):
+        fuse_detections([[good]], skip_score=None)

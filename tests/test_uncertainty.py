@@ -128,6 +128,8 @@ def test_classification_rejects_bad_input():
         classification_uncertainty(torch.randint(5, (3, 4, 5)))
     with pytest.raises(TypeError, match="class_axis"):
         classification_uncertainty(torch.randn(3, 4, 5), class_axis=1.0)
+    with pytest.raises(ValueError, match="use binary_uncertainty"):
+        classification_uncertainty(torch.randn(3, 4, 1))
 
 
 def test_binary_decomposition_by_hand_and_as_a_two_class_softmax():
