@@ -15,6 +15,8 @@ from bayesify.layers import ConvertedLayer, Rank1Layer
 from bayesify.mode import mode, predict
 from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction, Route
 from bayesify.summary import Summary, summary
+from bayesify.tasks import Task
+from bayesify.uncertainty import uncertainty
 from bayesify.variational import Rank1Factor
 
 __version__ = "0.2.0"
@@ -31,6 +33,7 @@ __all__ = [
     "Reduction",
     "Route",
     "Summary",
+    "Task",
     "convert",
     "default_mapping",
     "is_converted",
@@ -42,13 +45,18 @@ __all__ = [
     "rank1_parameters",
     "revert",
     "summary",
+    "uncertainty",
 ]
 
 
+# sub-packages loaded on first use (bayesify.detection, bayesify.training, ...); the deprecated ones of
+# release 0.1 (wrappers, priors, modules, data, models) warn when they load
+_LAZY = ("detection", "evaluation", "training", "zoo", "wrappers", "priors", "modules", "data", "models")
+
+
 def __getattr__(name: str) -> object:
-    # deprecated sub-packages of earlier releases, resolved on first use (each warns once)
     import importlib
 
-    if name in ("wrappers", "priors", "modules", "data", "models"):
+    if name in _LAZY:
         return importlib.import_module(f"bayesify.{name}")
     raise AttributeError(f"module 'bayesify' has no attribute {name!r}")

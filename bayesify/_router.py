@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from bayesify.mixture import reduce_members, split_members, tile
-from bayesify.options import Reduction, Route
+from bayesify.mixture import split_members, tile
+from bayesify.options import Route
+from bayesify.tasks import Auto, HuggingFaceTask, Members, Regression, Task, TaskMap
 
 if TYPE_CHECKING:
     from bayesify.config import Rank1Config
@@ -45,12 +46,12 @@ __all__ = ["ForwardState", "RouteSpec", "Router", "attach", "detach", "find_root
 
 @dataclass(frozen=True)
 class RouteSpec:
-    """What one forward pass does: route, noise, samples per component, reduction, component."""
+    """What one forward pass does: route, noise, samples per component, task (for the mixture), component."""
 
     route: Route | None = None  # None: the default for the model's train/eval state
     noise: bool = True
     samples: int = 1
-    reduction: Reduction | None = None
+    task: Task | None = None  # None: the model's
     component: int | None = None
 
 
@@ -63,6 +64,7 @@ class ForwardState:
     batch: int  # examples in the batch as given
     axis: int | None  # batch axis of the inputs (None: one unbatched example)
     members: int  # copies of each example in the routed batch (K * samples when tiled, else 1)
+    labels: Tensor | None = None  # a Hugging Face model's `labels` as given (to recompute its loss)
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Router:
     """Routes the rows of every forward pass of one converted model (see the module doc)."""
 
     config: Rank1Config
+    task: Task = field(default_factory=Auto)  # what the root's output means (Auto: nobody said; see tasks.py)
     overrides: list[RouteSpec] = field(default_factory=list)  # the mode() stack: the last one is in force
     state: ForwardState | None = None
     active: bool = False  # inside the root's forward
@@ -83,9 +86,6 @@ class Router:
     def batch_dim(self) -> int:
         return self.config.batch_dim
 
-    @property
-    def reduction(self) -> Reduction:
-        return self.config.reduction
 
     def resolve(self, training: bool) -> RouteSpec:
         spec = self.overrides[-1] if self.overrides else RouteSpec()
@@ -128,7 +128,7 @@ class Router:
             return rows
         if n % total == 0:
             # extra axes folded into the batch, batch-major (e.g. windows): repeat each row's component
-            return rows.repeat_interleave(n // total)
+            return rows[:, None].expand(total, n // total).reshape(-1)
         # a batch-independent input (e.g. a table fed through an MLP): one component for the whole call
         return rows[:1].expand(n)
 
@@ -138,6 +138,8 @@ class Router:
         from bayesify.layers.base import ConvertedLayer
 
         spec = self.resolve(module.training)
+        if args and _is_example_list(args[0]):
+            return self._begin_list(module, spec, args, kwargs)
         leaves, tree = tree_flatten((args, kwargs), is_leaf=_is_packed)
         first = next((t for t in leaves if isinstance(t, (Tensor, PackedSequence))), None)
         if first is None:
@@ -167,8 +169,9 @@ class Router:
             return args, kwargs
         # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B)
         members = self.components * spec.samples
-        rows = torch.arange(self.components, device=device).repeat_interleave(spec.samples * batch)
-        self.state = ForwardState(spec, rows, batch, axis, members)
+        rows = member_rows(self.components, spec.samples * batch, device)
+        labels = kwargs.get("labels") if isinstance(kwargs.get("labels"), Tensor) else None
+        self.state = ForwardState(spec, rows, batch, axis, members, labels)
 
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
         if axes is None:
@@ -187,29 +190,84 @@ class Router:
 
         return tree_unflatten([tile_leaf(t, d) for t, d in zip(leaves, axes)], tree)
 
+    def _begin_list(self, module: nn.Module, spec: RouteSpec, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A list of examples (torchvision detection: images of different sizes) as the first argument.
+
+        Its rows are not kept aligned with the examples inside such models (a detector's heads see a
+        varying number of proposals per image), so every row of a forward pass goes through one
+        component: one drawn per pass in training, the chosen one with ``mode(component=k)``. The
+        members of a batch are one pass each (:func:`bayesify.predict` loops over them); a single
+        tiled pass is refused rather than routed wrongly.
+        """
+        batch, device = len(args[0]), args[0][0].device
+        if spec.route in (Route.TILE, Route.MIXTURE):
+            raise ValueError(
+                f"{type(module).__name__} takes a list of examples, whose members cannot share one tiled batch; use "
+                "bayesify.predict(model, inputs) for the members (one pass each; bayesify.detection.fuse_detections "
+                "merges a detector's boxes), or bayesify.mode(model, component=k) for one member."
+            )
+        component = spec.component if spec.route is Route.COMPONENT else int(torch.randint(self.components, ()))
+        rows = torch.full((batch,), component, dtype=torch.long, device=device)
+        self.active = True
+        self.state = ForwardState(spec, rows, batch, 0, 1)
+        return args, kwargs
+
     def end(self, module: nn.Module, output: object) -> object:
         # rows stay in self.state for a backward pass that recomputes this forward (see live())
         self.active = False
         state = self.state
         if state is None or state.spec.route is not Route.MIXTURE:
             return output
+        task = state.spec.task or self.task
         members, batch, axis = state.members, state.batch, state.axis
-        reduction = state.spec.reduction or self.reduction
-        leaves, tree = tree_flatten(output, is_leaf=_is_packed)
+        leaves, tree = tree_flatten_with_path(output, is_leaf=_is_packed)
         axes = output_axes(module, output, len(leaves), axis)
+        loss_at = None
 
-        def reduce(t: object, dim: int | None) -> object:
+        def reduce(path: tuple, t: object, dim: int | None) -> object:
+            nonlocal loss_at
+            tiled = (
+                isinstance(t, Tensor) and t.is_floating_point() and dim is not None and t.dim() > dim
+                and (axis is None or t.shape[dim] == members * batch)
+            )  # fmt: skip
             if isinstance(t, PackedSequence):
-                return _reduce_packed(t, members, batch, reduction)
-            if dim is None or not (
-                isinstance(t, Tensor) and t.is_floating_point() and t.dim() > dim and t.shape[dim] == members * batch
-            ):
+                return _reduce_packed(t, members, batch, self._leaf_task(module, task, path, t))
+            if isinstance(task, HuggingFaceTask) and task.recompute_loss and _key(path) == "loss":
+                loss_at = path
                 return t
-            if axis is None:
-                return reduce_members(t.movedim(dim, 0), reduction)
-            return reduce_members(split_members(t, members, dim), reduction)
+            if not tiled:
+                return t
+            stacked = t.movedim(dim, 0) if axis is None else split_members(t, members, dim)
+            return self._leaf_task(module, task, path, stacked[0]).reduce(stacked)
 
-        return tree_unflatten([reduce(t, d) for t, d in zip(leaves, axes)], tree)
+        reduced = [(path, reduce(path, t, d)) for (path, t), d in zip(leaves, axes)]
+        if loss_at is not None:  # a Hugging Face loss: the predictive NLL of the mixture's logits
+            logits = next((v for p, v in reduced if _key(p) == "logits"), None)
+            reduced = [(p, _huggingface_loss(module, logits, state.labels) if p == loss_at else v) for p, v in reduced]
+        return tree_unflatten([v for _, v in reduced], tree)
+
+    def _leaf_task(self, module: nn.Module, task: Task, path: tuple, leaf: object) -> Task:
+        """The task that reduces one tiled output leaf (``path``: its place in the output structure)."""
+        if isinstance(task, Auto):
+            shape = f" of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else ""
+            raise ValueError(
+                f"bayesify does not know what the output{shape} of {type(module).__name__} means, so it cannot "
+                f"reduce its {self.components} members to one prediction; say it with bayesify.convert(model, "
+                "task=...) or bayesify.mode(model, task=...): 'classification' (softmax), 'binary' or 'multilabel' "
+                "(sigmoids), 'regression' (mean), 'gaussian' (mean, log-variance), or 'members' (no reduction)."
+            )
+        if not isinstance(task, TaskMap):
+            return task
+        key = _key(path)
+        found = task.get(key)
+        if found is not None:
+            return found
+        if task.rest == "mean":
+            return Regression()
+        raise ValueError(
+            f"task={task} names no task for the output {key!r} of {type(module).__name__}; add {key!r} to the "
+            "task mapping."
+        )
 
     def split(self, root: nn.Module, output: object) -> object:
         """The output of the root's last tiled forward with a member axis in front of each batched leaf.
@@ -235,6 +293,43 @@ class Router:
             return split_members(t, t.shape[dim] // batch, dim)
 
         return tree_unflatten([split_leaf(t, d) for t, d in zip(leaves, axes)], tree)
+
+
+def member_rows(components: int, rows_each: int, device: torch.device) -> Tensor:
+    """``[k, k, ..., k+1, ...]``: component k for rows ``[k * rows_each, (k + 1) * rows_each)``.
+
+    Written as a broadcast rather than ``repeat_interleave`` so that exported graphs (ONNX) keep a
+    dynamic batch (onnxscript's ``repeat_interleave`` with a symbolic count is off by one).
+    """
+    return torch.arange(components, device=device)[:, None].expand(components, rows_each).reshape(-1)
+
+
+def _key(path: tuple) -> Any:
+    """The top-level key, attribute or index of an output leaf's path (None for a bare tensor)."""
+    if not path:
+        return None
+    entry = path[0]
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return None
+
+
+def _is_example_list(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, Tensor) for v in value)
+
+
+def _huggingface_loss(model: nn.Module, logits: Tensor | None, labels: Tensor | None) -> Tensor | None:
+    """The model's own loss function on the mixture's logits (the predictive NLL); None without labels."""
+    if logits is None or labels is None:
+        return None
+    loss_function = getattr(model, "loss_function", None)
+    if loss_function is None:
+        return None
+    config = model.config
+    return loss_function(
+        logits=logits, pooled_logits=logits, labels=labels, vocab_size=getattr(config, "vocab_size", None), config=config
+    )
 
 
 def output_axes(root: nn.Module, output: object, count: int, axis: int | None) -> list[int | None]:
@@ -269,7 +364,7 @@ def _tile_packed(packed: PackedSequence, tiles: int) -> PackedSequence:
     return PackedSequence(data.repeat_interleave(tiles, 0), batch_sizes * tiles, tiled_sorted, unsorted)
 
 
-def _reduce_packed(packed: PackedSequence, tiles: int, batch: int, reduction: Reduction) -> object:
+def _reduce_packed(packed: PackedSequence, tiles: int, batch: int, task: Task) -> object:
     """The mixture of a packed output of ``tiles * batch`` member-major sequences (any sorted order)."""
     data, batch_sizes, sorted_indices, unsorted_indices = packed
     if not data.is_floating_point() or int(batch_sizes[0]) != tiles * batch or bool((batch_sizes % tiles).any()):
@@ -286,7 +381,7 @@ def _reduce_packed(packed: PackedSequence, tiles: int, batch: int, reduction: Re
     position = torch.arange(step.numel(), device=device) - (torch.cumsum(sizes, 0) - sizes).to(device)[step]
     members = torch.arange(tiles, device=device) * batch
     index = offsets[step].unsqueeze(0) + unsorted_indices[members.unsqueeze(1) + order[position].unsqueeze(0)]
-    reduced = reduce_members(data[index], reduction)
+    reduced = task.reduce(data[index])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(batch, device=device)
     return PackedSequence(reduced, sizes, order, inverse)

@@ -28,6 +28,7 @@ class UserError(Exception):
     """A mistake in the command line: reported in one line, exit status 2."""
 
 
+_HEADLINE = ("nll", "accuracy", "ece", "rmse", "calibration_error")
 # train flags that are not TrainConfig fields
 _NOT_CONFIG = {"command", "preset", "download", "nprocs"}
 
@@ -148,11 +149,10 @@ def _train(args: argparse.Namespace) -> int:
         launch_xla(_xla_worker, args=(config.to_dict(), args.download), nprocs=args.nprocs)
         return 0
     results = train(config, download=args.download)
-    if results and "nll" in results:
-        print(
-            f"test: NLL {results['nll']:.4f}  accuracy {results['accuracy']:.4f}  ECE {results['ece']:.4f}  "
-            f"(K={results['components']}, M={results['samples']}); checkpoint and metrics.jsonl in {config.out}"
-        )
+    if results and "components" in results:
+        shown = "  ".join(f"{k} {results[k]:.4f}" for k in _HEADLINE if isinstance(results.get(k), float))
+        print(f"test: {shown}  (K={results['components']}, M={results['samples']}); checkpoint and metrics.jsonl "
+              f"in {config.out}")  # fmt: skip
     return 0
 
 

@@ -16,7 +16,8 @@ import typing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction, StrOption, option
+from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction, StrOption, VarianceParameter, option
+from bayesify.tasks import Task, TaskName, parse_task
 from bayesify.variational.kl import check_pair
 
 __all__ = ["Rank1Config"]
@@ -57,8 +58,15 @@ class Rank1Config:
     init_jitter: float = option(0.0, "std of truncated-normal jitter on the raw scale (reference: 0.1)")
     clip: float | None = option(10.0, "samples of r and s clipped to [-clip, clip] (reference: 10; None: off)")
     batch_dim: int = option(0, "where the batch lies in the model's inputs (and Linear layers' inputs)")
-    reduction: Reduction = option(
-        Reduction.LOGITS, "evaluation's mixture reduction: 'logits' (log mean softmax), 'binary_logits', 'mean'"
+    task: TaskName | Task = option(
+        TaskName.AUTO,
+        "what the output means, i.e. how evaluation reduces the members: 'auto' (ask the model: timm, torchvision, "
+        "Hugging Face), 'classification', 'binary', 'multilabel', 'regression', 'gaussian', 'members'; or a "
+        "bayesify.tasks.Task, a function reduce(members), a dict {output key: task}",
+    )
+    class_axis: int | None = option(None, "task='classification': the class axis (default -1, or 1 for 4-d+ outputs)")
+    gaussian_variance: VarianceParameter = option(
+        VarianceParameter.LOG, "task='gaussian': how the head's second half encodes the variance (log, softplus, variance, std)"
     )
     embeddings: bool = option(False, "make nn.Embedding / EmbeddingBag Gaussian variational embeddings (paper: MIMIC)")
     embedding_prior_std: float = option(1.0, "std of the Normal(0, std) prior of Gaussian embeddings")
@@ -99,6 +107,16 @@ class Rank1Config:
         _positive("embedding_prior_std", self.embedding_prior_std, "it is the std of the Normal(0, std) prior on embeddings")
         if isinstance(self.batch_dim, bool) or not isinstance(self.batch_dim, int) or self.batch_dim < 0:
             raise ValueError(f"batch_dim={self.batch_dim!r} must be an integer >= 0 (where the batch lies in inputs).")
+        if isinstance(self.task, (str, TaskName)):
+            set_(self, "task", TaskName.parse(self.task, "task"))
+        else:
+            set_(self, "task", parse_task(self.task))  # a Task, a function or a {key: task} mapping
+        if self.class_axis is not None and (isinstance(self.class_axis, bool) or not isinstance(self.class_axis, int)):
+            raise ValueError(f"class_axis={self.class_axis!r} must be an integer axis (e.g. -1 or 1) or None.")
+
+    def resolved_task(self) -> Task:
+        """:attr:`task` as a :class:`~bayesify.tasks.Task` (``"auto"`` stays :class:`~bayesify.tasks.Auto`)."""
+        return parse_task(self.task, class_axis=self.class_axis, gaussian_variance=self.gaussian_variance)
 
     @property
     def identity(self) -> float:
@@ -122,6 +140,9 @@ class Rank1Config:
     @classmethod
     def from_options(cls, base: "Rank1Config | None" = None, **options: Any) -> "Rank1Config":
         """``base`` (default: the defaults) with ``options`` applied; unknown names raise a TypeError listing them all."""
+        if "reduction" in options:  # the name of release 0.1
+            options = dict(options)
+            options["task"] = _task_of_reduction(options.pop("reduction"))
         unknown = sorted(set(options) - set(cls.option_names()))
         if unknown:
             raise TypeError(
@@ -152,8 +173,24 @@ class Rank1Config:
         plain = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            plain[f.name] = str(value) if isinstance(value, StrOption) else list(value) if isinstance(value, tuple) else value
+            if isinstance(value, (StrOption, Task)):
+                value = str(value)  # a custom Task is saved by name only
+            plain[f.name] = list(value) if isinstance(value, tuple) else value
         return plain
+
+
+def _task_of_reduction(reduction: object) -> TaskName:
+    """The task of a release-0.1 ``reduction=`` option (deprecated)."""
+    import warnings
+
+    value = Reduction.parse(reduction, "reduction")
+    task = {Reduction.LOGITS: TaskName.CLASSIFICATION, Reduction.BINARY_LOGITS: TaskName.BINARY, Reduction.MEAN: TaskName.REGRESSION}[value]
+    warnings.warn(
+        f"reduction={value.value!r} is deprecated; pass task={task.value!r} (bayesify.tasks explains the tasks).",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return task
 
 
 @functools.cache

@@ -28,8 +28,10 @@ from bayesify.layers.bilinear import Rank1Bilinear
 from bayesify.layers.condconv import Rank1CondConv2d
 from bayesify.layers.conv import Rank1Conv, Rank1ConvTranspose
 from bayesify.layers.embedding import GaussianEmbedding
+from bayesify.layers.hf_conv1d import Rank1HFConv1D
 from bayesify.layers.linear import Rank1Linear
 from bayesify.layers.recurrent import Rank1RNN, Rank1RNNCell
+from bayesify.tasks import Auto, Classification, Task, infer_task
 
 __all__ = ["ConversionReport", "Skip", "SkipKind", "convert", "default_mapping", "revert"]
 
@@ -55,6 +57,7 @@ _DEFAULT_MAPPING: dict[type[nn.Module], type[ConvertedLayer]] = {
 # layers of optional libraries, by (module, class name): in the table once that library is imported
 _OPTIONAL_MAPPING: dict[tuple[str, str], type[ConvertedLayer]] = {
     ("timm.layers.cond_conv2d", "CondConv2d"): Rank1CondConv2d,
+    ("transformers.pytorch_utils", "Conv1D"): Rank1HFConv1D,
 }
 
 # with convert(..., embeddings=True)
@@ -69,8 +72,8 @@ def default_mapping() -> dict[type[nn.Module], type[ConvertedLayer]]:
 
     Extend it to convert your own layers: ``convert(model, mapping={**default_mapping(),
     MyLayer: MyRank1Layer})``, where ``MyRank1Layer`` subclasses :class:`bayesify.Rank1Layer`.
-    Layers of optional libraries (timm's ``CondConv2d``) are in it once that library is imported:
-    the library stays optional.
+    Layers of optional libraries (timm's ``CondConv2d``, Hugging Face's ``Conv1D``) are in it once
+    that library is imported: the library stays optional.
     """
     table = dict(_DEFAULT_MAPPING)
     for (module_name, class_name), layer_class in _OPTIONAL_MAPPING.items():
@@ -272,6 +275,8 @@ def convert(
             _replace(model, name, new)
             if name == "":
                 model = new
+    if not _router.is_root(model) or isinstance(router.task, Auto):
+        router.task = resolve_task(config, model)
     report = model.__dict__.get("_rank1_report") or ConversionReport()
     for name, _, _ in plan:
         report.skipped.pop(name, None)
@@ -292,6 +297,19 @@ convert.__signature__ = inspect.signature(convert).replace(  # type: ignore[attr
         ],
     ]
 )
+
+
+def resolve_task(config: Rank1Config, model: nn.Module) -> Task:
+    """The task of ``model``'s output: the configured one, or for ``"auto"`` what the model says (else Auto)."""
+    task = config.resolved_task()
+    if not isinstance(task, Auto):
+        return task
+    inferred = infer_task(model)
+    if inferred is None:
+        return task
+    if config.class_axis is not None and isinstance(inferred, Classification):
+        return Classification(config.class_axis)
+    return inferred
 
 
 def _router_for(model: nn.Module, config: Rank1Config) -> _router.Router:

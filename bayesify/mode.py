@@ -8,8 +8,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from bayesify._router import RouteSpec, find_router, split_output
-from bayesify.options import Reduction, Route, parse_option
+from bayesify._router import RouteSpec, _is_example_list, find_router, split_output
+from bayesify.options import Route, parse_option
+from bayesify.tasks import Task, parse_task
 
 __all__ = ["mode", "predict"]
 
@@ -21,8 +22,10 @@ def mode(
     *,
     noise: bool = True,
     samples: int = 1,
-    reduction: Reduction | str | None = None,
+    task: Task | str | Any = None,
+    class_axis: int | None = None,
     component: int | None = None,
+    reduction: str | None = None,
 ) -> Iterator[None]:
     """Override how ``model`` routes examples, in training and evaluation alike, inside a ``with``.
 
@@ -35,9 +38,11 @@ def mode(
             through ``component``), or None to keep the train/eval default.
         noise: sample r and s from the posterior (True) or use the posterior locations.
         samples: samples per component for ``tile`` / ``mixture`` (M in K x M).
-        reduction: for ``mixture``: ``"logits"``, ``"binary_logits"`` or ``"mean"``; default:
-            the conversion's.
+        task: for ``mixture``: what the output means (see :mod:`bayesify.tasks`); default: the
+            conversion's. ``class_axis`` goes with ``task="classification"``.
         component: the component for ``route="component"`` (implies it when route is None).
+        reduction: deprecated (release 0.1): ``"logits"``, ``"binary_logits"``, ``"mean"`` are the
+            tasks ``"classification"``, ``"binary"``, ``"regression"``.
 
     Example:
         >>> with bayesify.mode(model, route="tile", noise=False):
@@ -57,8 +62,12 @@ def mode(
         raise ValueError(f"samples={samples!r} must be an integer >= 1 (samples per mixture component).")
     if not isinstance(noise, bool):
         raise TypeError(f"noise={noise!r} must be True or False.")
-    reduction = None if reduction is None else parse_option(reduction, Reduction, "reduction")
-    router.overrides.append(RouteSpec(route, noise, samples, reduction, component))
+    if reduction is not None:
+        from bayesify.config import _task_of_reduction
+
+        task = _task_of_reduction(reduction)
+    parsed = None if task is None and class_axis is None else parse_task(task or "classification", class_axis=class_axis)
+    router.overrides.append(RouteSpec(route, noise, samples, parsed, component))
     try:
         yield
     finally:
@@ -69,7 +78,9 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
     """The K x ``samples`` member outputs for one batch, stacked on a new leading axis.
 
     Runs ``model(*args, **kwargs)`` once on the tiled batch without gradients, in the model's
-    current train/eval state (call ``model.eval()`` first for evaluation).
+    current train/eval state (call ``model.eval()`` first for evaluation). A model that takes a
+    list of examples (torchvision detection) runs once per member instead, and its members come
+    back as a list of S outputs.
 
     Args:
         samples: posterior samples per component (M).
@@ -85,9 +96,17 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
         >>> members = bayesify.predict(model.eval(), x, samples=4)     # [K*4, B, classes]
         >>> probs = members.softmax(-1).mean(0)
     """
+    router = find_router(model)
     if noise is None:
-        overrides = find_router(model).overrides
-        noise = overrides[-1].noise if overrides else True
-    with torch.no_grad(), mode(model, Route.TILE, samples=samples, noise=noise):
-        output = model(*args, **kwargs)
+        noise = router.overrides[-1].noise if router.overrides else True
+    with torch.no_grad():
+        if args and _is_example_list(args[0]):
+            outputs = []
+            for k in range(router.components):
+                for _ in range(samples):
+                    with mode(model, component=k, noise=noise):
+                        outputs.append(model(*args, **kwargs))
+            return outputs
+        with mode(model, Route.TILE, samples=samples, noise=noise):
+            output = model(*args, **kwargs)
     return split_output(model, output)

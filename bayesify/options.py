@@ -19,6 +19,7 @@ __all__ = [
     "Reduction",
     "Route",
     "StrOption",
+    "VarianceParameter",
     "option",
     "parse_option",
 ]
@@ -98,6 +99,19 @@ class Route(StrOption):
     """Every example through all K components; output reduced to the mixture predictive (evaluation default)."""
     COMPONENT = "component"
     """Every example through one chosen component (``mode(component=k)``)."""
+
+
+class VarianceParameter(StrOption):
+    """How the second half of a Gaussian head's output parametrises the variance."""
+
+    LOG = "log"
+    """The log-variance: ``variance = exp(v)`` (the usual Gaussian NLL head)."""
+    SOFTPLUS = "softplus"
+    """``variance = softplus(v)`` (Lakshminarayanan et al. 2017 add a small minimum to it)."""
+    VARIANCE = "variance"
+    """The variance itself (the head already ends in a positive activation); must be >= 0."""
+    STD = "std"
+    """The standard deviation: ``variance = v ** 2``; must be >= 0."""
 
 
 class Reduction(StrOption):

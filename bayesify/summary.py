@@ -25,6 +25,7 @@ class Summary:
 
     model: str
     components: int
+    task: str = "auto"  # what evaluation takes the output to mean (see bayesify.tasks)
     converted: list[tuple[str, str, int]] = field(default_factory=list)  # (name, type, params added)
     skipped: dict[str, str] = field(default_factory=dict)  # weight-bearing modules left as they were
     bypassed: dict[str, str] = field(default_factory=dict)  # converted, but not (fully) in the compute path
@@ -44,6 +45,8 @@ class Summary:
             f"bayesify summary of {self.model}: {len(self.converted)} rank-1 layers, K={self.components}",
             f"parameters: {self.original_parameters:,} original + {self.added_parameters:,} rank-1 "
             f"({100 * self.overhead:.2f}% overhead)",
+            f"output: {self.task}" if self.task != "auto" else "output: not stated: pass task= to convert() before "
+            "evaluating (see bayesify.tasks)",
         ]
         if self.converted:
             width = max(len(n) for n, _, _ in self.converted) + 2
@@ -75,7 +78,7 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     dropped from ``skipped`` (see ``bayesify._weight_uses``).
     """
     router = find_router(model)
-    report = Summary(model=type(model).__name__, components=router.components)
+    report = Summary(model=type(model).__name__, components=router.components, task=str(router.task))
     added_ids = set()
     for name, layer in rank1_layers(model):
         added = list(layer.rank1_parameters())

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from bayesify.options import _Option, parse_option
+from bayesify.options import VarianceParameter, parse_option
 
 __all__ = [
     "BinaryUncertainty",
@@ -53,9 +53,11 @@ __all__ = [
     "binary_uncertainty",
     "classification_uncertainty",
     "gaussian_head",
+    "members_uncertainty",
     "mixture_cdf",
     "mixture_quantile",
     "regression_uncertainty",
+    "uncertainty",
 ]
 
 # a mixture quantile is found to 1e-12 of the spread of the members' own quantiles; bisection
@@ -498,19 +500,6 @@ def regression_uncertainty(member_means: Tensor, member_variances: Tensor | None
     )
 
 
-class VarianceParameter(_Option):
-    """How the second half of a Gaussian head's output parametrises the variance."""
-
-    LOG = "log"
-    """The log-variance: ``variance = exp(v)`` (the usual Gaussian NLL head)."""
-    SOFTPLUS = "softplus"
-    """``variance = softplus(v)`` (Lakshminarayanan et al. 2017 add a small minimum to it)."""
-    VARIANCE = "variance"
-    """The variance itself (the head already ends in a positive activation); must be >= 0."""
-    STD = "std"
-    """The standard deviation: ``variance = v ** 2``; must be >= 0."""
-
-
 def gaussian_head(
     output: Tensor, *, variance: VarianceParameter | str = "log", axis: int = -1
 ) -> tuple[Tensor, Tensor]:
@@ -557,3 +546,95 @@ def gaussian_head(
             f"{float(raw.min()):.3g}); pass variance='log' or 'softplus' for an unconstrained head."
         )
     return mean, raw if kind is VarianceParameter.VARIANCE else raw.square()
+
+
+# ---- from a model ----------------------------------------------------------------------------------
+
+
+def members_uncertainty(
+    task: object, members: Tensor
+) -> ClassificationUncertainty | BinaryUncertainty | RegressionUncertainty:
+    """The decomposition that fits ``task`` (a :class:`bayesify.tasks.Task` or its name) for ``[S, ...]`` members."""
+    from bayesify.tasks import Binary, Classification, Gaussian, Regression, parse_task
+
+    task = parse_task(task)
+    if isinstance(task, Classification):
+        return classification_uncertainty(members, class_axis=task.axis(members[0]))
+    if isinstance(task, Binary):
+        return binary_uncertainty(members)
+    if isinstance(task, Gaussian):
+        return regression_uncertainty(*task.split(members))
+    if isinstance(task, Regression):
+        return regression_uncertainty(members)
+    raise ValueError(
+        f"task {task} has no uncertainty decomposition; pass task='classification', 'binary', 'multilabel', "
+        "'regression' or 'gaussian'."
+    )
+
+
+def uncertainty(
+    model: torch.nn.Module,
+    *inputs: object,
+    samples: int = 4,
+    task: object = None,
+    noise: bool | None = None,
+    **kwargs: object,
+) -> ClassificationUncertainty | BinaryUncertainty | RegressionUncertainty:
+    """Predictive uncertainty of one batch: one batched pass of K x ``samples`` members, decomposed.
+
+    Classification gives probabilities, predictive entropy (total), expected entropy
+    (aleatoric), mutual information (epistemic) and the variation ratio, per example (per pixel
+    for segmentation); binary / multi-label the same per label; regression and Gaussian heads the
+    mean and the total, aleatoric and epistemic variances, with predictive intervals.
+
+    Args:
+        model: a converted model (in eval mode for evaluation).
+        *inputs: the batch, as the model takes it (``**kwargs`` too).
+        samples: posterior samples per component (M).
+        task: what the output means; default: the model's (see :mod:`bayesify.tasks`).
+        noise: sample the factors (default) or use the posterior means.
+
+    Example:
+        >>> u = bayesify.uncertainty(model.eval(), x, samples=4)
+        >>> u.mutual_information           # [B]: epistemic uncertainty, nats
+        >>> low, high = bayesify.uncertainty(regressor.eval(), x).interval(0.9)
+
+    References:
+        Depeweg et al., ICML 2018 (the decompositions).
+    """
+    from bayesify._router import find_router
+    from bayesify.mode import predict
+    from bayesify.tasks import Auto, TaskMap, parse_task
+
+    members = predict(model, *inputs, samples=samples, noise=noise, **kwargs)
+    resolved = find_router(model).task if task is None else parse_task(task)
+    if isinstance(resolved, Auto):
+        raise ValueError(
+            f"bayesify does not know what the output of {type(model).__name__} means; pass task= to "
+            "bayesify.uncertainty (or to bayesify.convert): 'classification', 'binary', 'multilabel', 'regression', "
+            "'gaussian'."
+        )
+    leaf, key = _primary(members)
+    if isinstance(resolved, TaskMap):
+        found = resolved.get(key)
+        if found is None:
+            raise ValueError(f"task={resolved} names no task for the output {key!r}; pass task= for it.")
+        resolved = found
+    return members_uncertainty(resolved, leaf)
+
+
+def _primary(output: object) -> tuple[Tensor, object]:
+    """The output the uncertainty is about: the tensor, a Hugging Face ``logits``, a segmentation
+    ``out``, or a tuple's first element; with its key."""
+    if isinstance(output, Tensor):
+        return output, None
+    if isinstance(output, dict):
+        for key in ("logits", "out"):
+            if isinstance(output.get(key), Tensor):
+                return output[key], key
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0], 0
+    raise ValueError(
+        f"bayesify.uncertainty cannot tell which part of an output of type {type(output).__name__} to decompose; "
+        "call bayesify.predict and pass the members to classification_uncertainty / regression_uncertainty."
+    )

@@ -59,7 +59,7 @@ def test_not_a_module() -> None:
 
 
 def test_converting_twice_refuses_and_leaves_model_working() -> None:
-    net = bayesify.convert(_net())
+    net = bayesify.convert(_net(), task="classification")
     keys = list(net.state_dict())
     with pytest.raises(ValueError, match="already converted .* left unchanged.*bayesify.revert"):
         bayesify.convert(net)

@@ -51,7 +51,7 @@ def test_keeps_class_identity_hooks_and_training_flag() -> None:
     net = _mlp().eval()
     seen = []
     net[0].register_forward_hook(lambda m, i, o: seen.append(o.shape))
-    bayesify.convert(net, components=2)
+    bayesify.convert(net, components=2, task="classification")
     assert isinstance(net[0], nn.Linear) and isinstance(net[0], Rank1Layer)
     assert type(net[0]).__name__ == "Rank1Linear"
     assert not net[0].training
@@ -114,7 +114,7 @@ def test_pattern_that_matches_nothing_is_an_error() -> None:
 
 def test_root_may_be_a_layer() -> None:
     layer = nn.Linear(4, 2)
-    assert bayesify.convert(layer) is layer
+    assert bayesify.convert(layer, task="classification") is layer
     assert layer.eval()(torch.randn(3, 4)).shape == (3, 2)
 
 
@@ -157,7 +157,7 @@ def test_second_conversion_neither_stacks_nor_breaks() -> None:
 def test_converting_a_part_then_the_whole_uses_one_routing() -> None:
     net = _mlp()
     bayesify.convert(net[2])  # a part converted on its own first
-    bayesify.convert(net)
+    bayesify.convert(net, task="classification")
     net.eval()
     assert net(torch.randn(5, 6)).shape == (5, 3)  # the inner part does not tile a second time
     with bayesify.mode(net, route="tile"):

@@ -42,7 +42,7 @@ def test_long_fp16_autocast_run_with_loss_scaling_has_no_nan() -> None:
     y = torch.tensor(digits.target)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
-    bayesify.convert(net, posterior="cauchy", prior="cauchy", init="random_sign", init_sign_p=0.5)
+    bayesify.convert(net, posterior="cauchy", prior="cauchy", init="random_sign", init_sign_p=0.5, task="classification")
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     net.train()

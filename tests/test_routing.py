@@ -13,7 +13,7 @@ import bayesify
 
 def _net(components: int = 3) -> nn.Module:
     net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 4))
-    bayesify.convert(net, components=components, init_std=0.3)
+    bayesify.convert(net, components=components, init_std=0.3, task="classification")
     return net
 
 
@@ -59,8 +59,8 @@ def test_reductions_mean_and_binary_logits() -> None:
 
 
 def test_single_output_with_logits_reduction_explains_the_fix() -> None:
-    net = bayesify.convert(nn.Linear(3, 1)).eval()
-    with pytest.raises(ValueError, match="binary_logits"):
+    net = bayesify.convert(nn.Linear(3, 1), task="classification").eval()
+    with pytest.raises(ValueError, match="task='binary'"):
         net(torch.randn(2, 3))
 
 
@@ -182,7 +182,7 @@ def test_dict_and_kwarg_inputs_are_tiled() -> None:
         def forward(self, x: torch.Tensor, *, extra: torch.Tensor) -> dict[str, torch.Tensor]:
             return {"logits": self.a(x) + self.b(extra), "aux": extra.sum(-1)}
 
-    net = bayesify.convert(TwoInputs(), components=2).eval()
+    net = bayesify.convert(TwoInputs(), components=2, task={"logits": "classification", "aux": "regression"}).eval()
     out = net(torch.randn(5, 2), extra=torch.randn(5, 4))
     assert out["logits"].shape == (5, 3) and out["aux"].shape == (5,)
     with bayesify.mode(net, route="tile"):

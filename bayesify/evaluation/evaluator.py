@@ -17,17 +17,63 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from bayesify._router import find_router
 from bayesify.evaluation.corruptions import SEVERITIES, corrupt_images, corruption_seed, parse_corruptions
-from bayesify.evaluation.metrics import compute_metrics, member_log_probs_from_logits
-from bayesify.mode import predict
+from bayesify.evaluation.metrics import compute_metrics, member_log_probs_from_logits, task_metrics
+from bayesify.evaluation.ood import ood_metrics_per_score
 from bayesify.inspection import is_converted, num_components
+from bayesify.mode import predict
+from bayesify.tasks import Auto, Task, infer_task, parse_task
+from bayesify.uncertainty import members_uncertainty
 
-__all__ = ["evaluate", "evaluate_corruptions", "predict_members"]
+__all__ = ["collect_members", "evaluate", "evaluate_corruptions", "model_task", "predict_members"]
 
 Transform = Callable[[Tensor], Tensor]
 
 
 @torch.no_grad()
+def collect_members(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    *,
+    samples: int = 1,
+    device: torch.device | str = "cpu",
+    transform: Transform | None = None,
+    corrupt: Callable[[Tensor, int], Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The raw member outputs ``[K * M, N, ...]`` (component-major) and the targets ``[N, ...]``, on the CPU.
+
+    Args:
+        model: a converted model (K components) or a plain one (one member).
+        batches: ``(inputs, targets)`` batches, e.g. a ``DataLoader``.
+        samples: M, posterior samples per component (ignored for a plain model).
+        device: where the model runs.
+        transform: applied to inputs on the device before the model (e.g. normalisation).
+        corrupt: ``corrupt(inputs, batch_index)`` applied to the raw inputs before ``transform``.
+    """
+    model.eval()
+    converted = is_converted(model)
+    outputs, targets = [], []
+    for index, (x, y) in enumerate(batches):
+        if corrupt is not None:
+            x = corrupt(x, index)
+        x = x.to(device)
+        if transform is not None:
+            x = transform(x)
+        members = predict(model, x, samples=samples) if converted else model(x).unsqueeze(0)
+        if not isinstance(members, Tensor):
+            raise ValueError(
+                f"evaluate() takes models that return one tensor; {type(model).__name__} returns "
+                f"{type(members).__name__}. Evaluate its members with bayesify.predict and the functions of "
+                "bayesify.evaluation.metrics."
+            )
+        outputs.append(members.float().cpu())
+        targets.append(y.cpu())
+    if not outputs:
+        raise ValueError("the test set is empty: nothing to evaluate.")
+    return torch.cat(outputs, 1), torch.cat(targets)
+
+
 def predict_members(
     model: nn.Module,
     batches: Iterable[tuple[Tensor, Tensor]],
@@ -37,31 +83,33 @@ def predict_members(
     transform: Transform | None = None,
     corrupt: Callable[[Tensor, int], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Member log-probabilities ``[K * M, N, C]`` (component-major) and labels ``[N]``, on the CPU.
+    """A classifier's member log-probabilities ``[K * M, N, C]`` (component-major) and labels ``[N]``.
 
-    Args:
-        model: a converted model (K components) or a plain one (one member).
-        batches: ``(inputs, labels)`` batches, e.g. a ``DataLoader``.
-        samples: M, posterior samples per component (ignored for a plain model).
-        device: where the model runs.
-        transform: applied to inputs on the device before the model (e.g. normalisation).
-        corrupt: ``corrupt(inputs, batch_index)`` applied to the raw inputs before ``transform``.
+    A one-logit binary classifier becomes two classes (see
+    :func:`~bayesify.evaluation.metrics.member_log_probs_from_logits`). Other outputs:
+    :func:`collect_members`.
     """
-    model.eval()
-    converted = is_converted(model)
-    outputs, labels = [], []
-    for index, (x, y) in enumerate(batches):
-        if corrupt is not None:
-            x = corrupt(x, index)
-        x = x.to(device)
-        if transform is not None:
-            x = transform(x)
-        members = predict(model, x, samples=samples) if converted else model(x).unsqueeze(0)
-        outputs.append(member_log_probs_from_logits(members).cpu())
-        labels.append(y.cpu())
-    if not outputs:
-        raise ValueError("the test set is empty: nothing to evaluate.")
-    return torch.cat(outputs, 1), torch.cat(labels).long()
+    members, labels = collect_members(
+        model, batches, samples=samples, device=device, transform=transform, corrupt=corrupt
+    )
+    return member_log_probs_from_logits(members), labels.long()
+
+
+def model_task(model: nn.Module, task: object = None) -> Task:
+    """The task to evaluate ``model``'s output as: ``task``, the converted model's, or what a plain model says.
+
+    Raises:
+        ValueError: nobody says (the message names the ``task=`` argument).
+    """
+    if task is not None:
+        return parse_task(task)
+    found = find_router(model).task if is_converted(model) else infer_task(model)
+    if found is None or isinstance(found, Auto):
+        raise ValueError(
+            f"evaluate() does not know what the output of {type(model).__name__} means; pass task= "
+            "('classification', 'binary', 'multilabel', 'regression', 'gaussian'), or convert the model with task=."
+        )
+    return found
 
 
 def _loader(data: Dataset | DataLoader, batch_size: int) -> DataLoader:
@@ -80,23 +128,43 @@ def evaluate(
     batch_size: int = 256,
     bins: int = 15,
     members: bool = True,
+    task: object = None,
+    ood: Dataset | DataLoader | None = None,
 ) -> dict[str, object]:
-    """The paper's metrics of ``model`` on ``data``: NLL, accuracy, ECE, Brier, per member, diversity.
+    """The paper's metrics of ``model`` on ``data``, for its task, and OOD detection against ``ood``.
+
+    Classification (and binary / multi-label): NLL, accuracy, ECE, Brier (+ AUC-PR / AUC-ROC for
+    two classes), per member and diversity. Regression / Gaussian heads: RMSE, MAE, NLL, interval
+    coverage, calibration error, sharpness (see :mod:`bayesify.evaluation.regression`).
+
+    Args:
+        task: what the output means (default: the converted model's, see :func:`model_task`).
+        ood: an out-of-distribution set (its targets are ignored): adds ``ood``, the AUROC, AUPR and
+            FPR@95 of each uncertainty score (max probability, entropy, mutual information; for
+            regression the total and epistemic variances) separating it from ``data``.
 
     Returns:
-        :func:`~bayesify.evaluation.metrics.compute_metrics`'s dict, plus ``components`` and
-        ``samples``. The model's RNG use (posterior noise) does not touch the caller's
-        generator state: evaluation runs inside ``torch.random.fork_rng``.
+        The metrics, plus ``components``, ``samples`` and ``task``. The model's RNG use (posterior
+        noise) does not touch the caller's generator state: evaluation runs inside
+        ``torch.random.fork_rng``, seeded, so the same weights give the same numbers.
     """
     device = torch.device(device)
     k = num_components(model)
+    task = model_task(model, task)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)  # the same noise draws on every evaluation of the same weights
-        log_probs, labels = predict_members(
+        outputs, targets = collect_members(
             model, _loader(data, batch_size), samples=samples, device=device, transform=transform
         )
-    results = compute_metrics(log_probs, labels, components=k, bins=bins, members=members)
-    results.update(components=k, samples=samples if is_converted(model) else 1)
+        ood_outputs = None
+        if ood is not None:
+            ood_outputs, _ = collect_members(
+                model, _loader(ood, batch_size), samples=samples, device=device, transform=transform
+            )
+    results = task_metrics(task, outputs, targets, components=k, bins=bins, members=members)
+    results.update(components=k, samples=samples if is_converted(model) else 1, task=str(task))
+    if ood_outputs is not None:
+        results["ood"] = ood_metrics_per_score(members_uncertainty(task, outputs), members_uncertainty(task, ood_outputs))
     return results
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "member_metrics",
     "mixture_log_probs",
     "negative_log_likelihood",
+    "task_metrics",
 ]
 
 
@@ -206,3 +207,41 @@ def compute_metrics(
         out["members"] = member_metrics(member_log_probs, labels, components)
         out["diversity"] = diversity(member_log_probs, labels, components)
     return out
+
+
+
+def task_metrics(
+    task: object, outputs: Tensor, targets: Tensor, *, components: int = 1, bins: int = 15, members: bool = True
+) -> dict[str, object]:
+    """The metrics of ``[S, N, ...]`` member outputs against ``targets``, chosen by what the output means.
+
+    * classification: :func:`compute_metrics` on the members' log-softmax over the task's class axis
+      (a dense output's pixels or tokens count as examples);
+    * binary / multi-label: every (example, label) a binary problem: NLL, accuracy, ECE, Brier, AUCs;
+    * regression / Gaussian heads: :func:`bayesify.evaluation.regression.regression_metrics`.
+
+    Raises:
+        ValueError: a task without metrics (``members``, a custom reduction).
+    """
+    from bayesify.evaluation.regression import regression_metrics
+    from bayesify.tasks import Binary, Classification, Gaussian, Regression, parse_task
+
+    task = parse_task(task)
+    if isinstance(task, Classification):
+        axis = task.axis(outputs[0]) + 1
+        logits = outputs.movedim(axis, -1)
+        log_probs = logits.reshape(logits.shape[0], -1, logits.shape[-1]).log_softmax(-1)
+        return compute_metrics(log_probs, targets.reshape(-1).long(), components=components, bins=bins, members=members)
+    if isinstance(task, Binary):
+        flat = outputs.reshape(outputs.shape[0], -1, 1)
+        return compute_metrics(member_log_probs_from_logits(flat), targets.reshape(-1).long(), components=components,
+                               bins=bins, members=members)  # fmt: skip
+    if isinstance(task, Gaussian):
+        means, variances = task.split(outputs)
+        return regression_metrics(means, targets.reshape(means.shape[1:]), variances)
+    if isinstance(task, Regression):
+        return regression_metrics(outputs, targets.reshape(outputs.shape[1:]))
+    raise ValueError(
+        f"evaluate() has no metrics for task {task}; pass task='classification', 'binary', 'multilabel', 'regression' "
+        "or 'gaussian', or compute your own from bayesify.predict's members."
+    )

@@ -4,7 +4,8 @@
 * :mod:`~bayesify.layers.rank1_op`: :func:`rank1_affine`, the rank-1 maths every family calls.
 * families: :mod:`~bayesify.layers.linear`, :mod:`~bayesify.layers.conv`, :mod:`~bayesify.layers.attention`,
   :mod:`~bayesify.layers.recurrent` (with the private scan ``_scan.py``), :mod:`~bayesify.layers.bilinear`,
-  :mod:`~bayesify.layers.condconv` (timm), :mod:`~bayesify.layers.embedding` (Gaussian embeddings, opt-in).
+  :mod:`~bayesify.layers.condconv` (timm), :mod:`~bayesify.layers.hf_conv1d` (Hugging Face ``Conv1D``),
+  :mod:`~bayesify.layers.embedding` (Gaussian embeddings, opt-in).
 * ``_intercept.py``: keeping a layer in the compute path when other code uses its weight directly.
 """
 
@@ -15,6 +16,7 @@ from bayesify.layers.bilinear import Rank1Bilinear
 from bayesify.layers.condconv import Rank1CondConv2d
 from bayesify.layers.conv import Rank1Conv, Rank1ConvTranspose
 from bayesify.layers.embedding import GaussianEmbedding
+from bayesify.layers.hf_conv1d import Rank1HFConv1D
 from bayesify.layers.linear import Rank1Linear
 from bayesify.layers.rank1_op import broadcast_rows, rank1_affine
 from bayesify.layers.recurrent import Rank1RNN, Rank1RNNCell
@@ -31,6 +33,7 @@ __all__ = [
     "Rank1Conv",
     "Rank1ConvTranspose",
     "Rank1Factor",
+    "Rank1HFConv1D",
     "Rank1Layer",
     "Rank1Linear",
     "Rank1MultiheadAttention",

@@ -36,13 +36,14 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bayesify._router import find_router
 from bayesify.inspection import NORM_LAYERS, is_converted, num_components, rank1_layers, rank1_parameters
 from bayesify.kl import kl_divergence
 from bayesify.mixture import logmeanexp
 from bayesify.options import StrOption
+from bayesify.tasks import Auto, Binary, Classification, Task, parse_task
 
 __all__ = [
     "Likelihood",
@@ -81,20 +82,24 @@ def kl_scale(step: int, annealing_steps: int) -> float:
     return min(1.0, (step + 1) / annealing_steps)
 
 
-def _log_likelihood(logits: Tensor, labels: Tensor) -> Tensor:
-    """log p(y | logits) per row; a one-logit output is a binary classifier (sigmoid)."""
-    logits = logits.float()
-    if logits.shape[-1] == 1 and logits.dim() == labels.dim() + 1:
-        z = logits.squeeze(-1)
-        return -F.binary_cross_entropy_with_logits(z, labels.to(z.dtype), reduction="none")
-    if logits.dim() > 2:  # [N, C, ...] dense outputs: average the extra axes per row
-        ll = -F.cross_entropy(logits, labels, reduction="none")
-        return ll.reshape(ll.shape[0], -1).mean(-1)
-    return -F.cross_entropy(logits, labels, reduction="none")
+def default_task(output: Tensor) -> Task:
+    """The task of an output when nobody stated one (a plain model): one logit per row is a binary
+    classifier, ``[B, C]`` class logits otherwise; a dense output must state its task."""
+    if output.dim() == 2:
+        return Binary() if output.shape[-1] == 1 else Classification(-1)
+    raise ValueError(
+        f"the objective cannot tell what an output of shape {tuple(output.shape)} means; pass task= to the "
+        "Objective (or convert the model with task=...): e.g. 'classification' with class_axis, or 'regression'."
+    )
 
 
 def training_nll(
-    logits: Tensor, labels: Tensor, *, components: int = 1, likelihood: Likelihood | str = Likelihood.AVERAGE
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    components: int = 1,
+    likelihood: Likelihood | str = Likelihood.AVERAGE,
+    task: Task | str | None = None,
 ) -> Tensor:
     """The training objective's NLL term for outputs of the tiled (``[K*B, ...]``) or sampled (``[B, ...]``) route.
 
@@ -106,15 +111,18 @@ def training_nll(
         labels: the ``B`` labels of the batch (tiled here when the outputs are).
         components: K.
         likelihood: ``"average"`` or ``"mixture"``.
+        task: what the outputs mean (:mod:`bayesify.tasks`), which gives ``log p(y | output)``;
+            default: :func:`default_task`.
 
     Raises:
         ValueError: outputs whose rows are neither B nor K * B, or the mixture likelihood on
             outputs that are not tiled.
     """
     likelihood = Likelihood.parse(likelihood, "likelihood")
+    task = default_task(logits) if task is None else parse_task(task)
     rows, batch = logits.shape[0], labels.shape[0]
     if rows == batch and not (likelihood is Likelihood.MIXTURE and components > 1):
-        return -_log_likelihood(logits, labels).mean()
+        return -task.log_likelihood(logits, labels).mean()
     if rows != components * batch:
         raise ValueError(
             f"the model returned {rows} rows for a batch of {batch} labels; with K={components} components the "
@@ -126,7 +134,7 @@ def training_nll(
             f"likelihood='mixture' needs every example through all K={components} components: run the forward pass "
             "with route='tile' (outputs [K*B, ...]), or use likelihood='average' with route='sample'."
         )
-    log_lik = _log_likelihood(logits, labels.repeat(components, *([1] * (labels.dim() - 1))))  # member-major
+    log_lik = task.log_likelihood(logits, labels.repeat(components, *([1] * (labels.dim() - 1))))  # member-major
     if likelihood is Likelihood.AVERAGE:
         return -log_lik.mean()
     per_member = log_lik.view(components, batch)
@@ -194,6 +202,8 @@ class Objective:
         kl_annealing_steps: steps over which the KL weight rises linearly to 1 (0: no annealing).
         likelihood: ``"average"`` (per-component NLL, default) or ``"mixture"``.
         l2_norm_layers: include normalisation-layer parameters in the L2 term (CIFAR reference).
+        task: what the outputs mean (``log p(y | output)``); default: the converted model's task, else
+            :func:`default_task`.
     """
 
     num_train: int
@@ -201,6 +211,7 @@ class Objective:
     kl_annealing_steps: int = 0
     likelihood: Likelihood | str = Likelihood.AVERAGE
     l2_norm_layers: bool = True
+    task: Task | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_train, bool) or not isinstance(self.num_train, int) or self.num_train < 1:
@@ -208,6 +219,8 @@ class Objective:
         if self.l2 < 0:
             raise ValueError(f"l2={self.l2!r} must be >= 0 (reference: 1e-4 CIFAR-10, 3e-4 CIFAR-100).")
         self.likelihood = Likelihood.parse(self.likelihood, "likelihood")
+        if self.task is not None:
+            self.task = parse_task(self.task)
 
     def __call__(self, model: nn.Module, logits: Tensor, labels: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss and its parts (``nll``, ``kl``, ``kl_scale``, ``l2``, ``loss``; detached).
@@ -220,7 +233,12 @@ class Objective:
         """
         inner = unwrap(model)
         k = num_components(inner)
-        nll = training_nll(logits, labels, components=k, likelihood=self.likelihood)
+        task = self.task
+        if task is None and is_converted(inner):
+            task = find_router(inner).task
+        if isinstance(task, Auto):
+            task = None
+        nll = training_nll(logits, labels, components=k, likelihood=self.likelihood, task=task)
         loss = nll
         parts: dict[str, Tensor] = {"nll": nll.detach()}
         if k > 1 or is_converted(inner):

@@ -46,13 +46,15 @@ from bayesify.training.config import Precision, TrainConfig
 from bayesify.training.distributed import Distributed, setup
 from bayesify.training.objective import Objective, unwrap
 from bayesify.training.optim import WarmupStepDecay, build_optimizer, param_groups
-from bayesify.training.run import CHECKPOINT, METRICS, build_model
+from bayesify.training.run import CHECKPOINT, METRICS, build_model, run_task
 from bayesify.training.sampler import ResumableBatchSampler
 from bayesify.zoo.data import DataBundle
 
 __all__ = ["Precision", "TrainConfig", "Trainer", "build_model"]
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+# the metrics logged and printed after each evaluation (those the task has)
+_HEADLINE = ("nll", "accuracy", "ece", "brier", "rmse", "calibration_error")
 
 
 class MetricsLog:
@@ -115,6 +117,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, model: nn.Module, data: DataBundle) -> None:
         config.validate()
         self.config, self.model, self.data = config, model, data
+        self.task = run_task(config, data)
         self.callbacks: dict[str, list[Callable[["Trainer"], None]]] = {}
         self.step = self.epoch = 0
         self.last: dict[str, float] = {}
@@ -241,6 +244,7 @@ class Trainer:
             kl_annealing_steps=round(kl_epochs * steps_per_epoch),
             likelihood=cfg.likelihood,
             l2_norm_layers=cfg.l2_norm_layers,
+            task=self.task,
         )
         # a dedicated generator: creating a loader iterator must not draw from the global RNG
         loader_generator = torch.Generator()
@@ -353,16 +357,14 @@ class Trainer:
                 device=run.dist.device,
                 transform=self.data.normalize,
                 members=False,
+                task=self.task,
             )
             self.results = results
-            metrics = {k: results[k] for k in ("nll", "accuracy", "ece", "brier")}
+            metrics = {k: results[k] for k in _HEADLINE if isinstance(results.get(k), float)}
             run.log.write({"kind": "eval", "split": "test", "step": self.step, "epoch": self.epoch, **metrics})
             if self.config.progress is not False:
-                print(
-                    f"epoch {self.epoch}/{self.config.epochs} step {self.step}: test NLL {metrics['nll']:.4f}  "
-                    f"accuracy {metrics['accuracy']:.4f}  ECE {metrics['ece']:.4f}",
-                    flush=True,
-                )
+                shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+                print(f"epoch {self.epoch}/{self.config.epochs} step {self.step}: test {shown}", flush=True)
         else:
             self.results = {"rank": run.dist.rank}
         run.dist.barrier()

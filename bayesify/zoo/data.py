@@ -8,6 +8,9 @@ Three sets ship with their packages and need no download:
   length-40 signals, 1 channel, 10 classes).
 * ``breast-cancer``: scikit-learn's Wisconsin breast-cancer table (569 rows, 30 features,
   binary), split 70/30 stratified and standardised with the training statistics.
+* ``diabetes``: scikit-learn's diabetes regression table (442 rows, 10 features, one target),
+  split 70/30; features and target standardised with the training statistics (``target_std``
+  converts an error back to the target's units). Its task is a Gaussian head (mean, log-variance).
 
 With network access or local files:
 
@@ -42,7 +45,7 @@ from bayesify.options import StrOption
 __all__ = ["DataBundle", "DataKind", "InMemoryDataset", "data_names", "load_data"]
 
 # the names load_data understands without a prefix
-_BUILTIN = ("digits", "mnist1d", "breast-cancer", "cifar10", "cifar100")
+_BUILTIN = ("digits", "mnist1d", "breast-cancer", "diabetes", "cifar10", "cifar100")
 
 
 class DataKind(StrOption):
@@ -87,10 +90,13 @@ class DataBundle:
     Attributes:
         name: the name it was loaded by.
         train, test: map-style datasets of ``(input, label)``; images in [0, 1].
-        num_classes: number of classes (2 for binary tasks: the models output two logits).
+        num_classes: number of classes (2 for binary tasks: the models output two logits); for a
+            regression, the number of targets.
         input_shape: one example's shape, e.g. ``(1, 8, 8)``, ``(1, 40)`` or ``(30,)``.
         kind: image, signal or tabular.
         mean, std: per-channel normalisation applied by :meth:`normalize` (None: identity).
+        task: what a model of this data outputs (``"classification"``, or ``"gaussian"`` for a regression).
+        target_std: for a regression with standardised targets, their std in the original units.
     """
 
     name: str
@@ -101,6 +107,19 @@ class DataBundle:
     kind: DataKind
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
+    task: str = "classification"
+    target_std: float | None = None
+
+    def outputs(self, task: object | None = None) -> int:
+        """How many outputs a model of this data needs for ``task`` (default: the data's own task)."""
+        from bayesify.tasks import Gaussian, Regression, parse_task
+
+        resolved = parse_task(self.task if task is None or str(task) == "auto" else task)
+        if isinstance(resolved, Gaussian):
+            return 2 * self.num_classes
+        if isinstance(resolved, Regression):
+            return self.num_classes
+        return self.num_classes
 
     @property
     def in_channels(self) -> int:
@@ -149,6 +168,8 @@ def load_data(
         return _mnist1d(seed)
     if key == "breast-cancer":
         return _breast_cancer(seed)
+    if key == "diabetes":
+        return _diabetes(seed)
     if key in ("cifar10", "cifar100"):
         return _cifar(key, data_dir, download)
     if name.startswith("folder:"):
@@ -210,6 +231,24 @@ def _breast_cancer(seed: int) -> DataBundle:
     return DataBundle(
         "breast-cancer", InMemoryDataset(x_tr, y_tr), InMemoryDataset(x_te, y_te), 2, (30,), DataKind.TABULAR
     )
+
+
+def _diabetes(seed: int) -> DataBundle:
+    from sklearn.datasets import load_diabetes
+    from sklearn.model_selection import train_test_split
+
+    table = load_diabetes()
+    x = torch.tensor(table.data, dtype=torch.float32)
+    y = torch.tensor(table.target, dtype=torch.float32).unsqueeze(1)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.3, random_state=seed)
+    x_mean, x_std = x_tr.mean(0), x_tr.std(0).clamp_min(1e-6)
+    y_mean, y_std = y_tr.mean(), y_tr.std()
+    return DataBundle(
+        "diabetes",
+        InMemoryDataset((x_tr - x_mean) / x_std, (y_tr - y_mean) / y_std),
+        InMemoryDataset((x_te - x_mean) / x_std, (y_te - y_mean) / y_std),
+        1, (10,), DataKind.TABULAR, task="gaussian", target_std=float(y_std),
+    )  # fmt: skip
 
 
 # ---- torchvision sets (need files or network) -----------------------------------------------

@@ -1,0 +1,38 @@
+"""Rank-1 Hugging Face ``Conv1D`` (``transformers.pytorch_utils``): GPT-2, OpenAI GPT, ImageGPT, ...
+
+Despite its name, ``Conv1D`` is a dense layer with its weight stored ``[in, out]`` (the transpose
+of ``nn.Linear``'s): ``y = x @ W + b``. Its rank-1 form is the Linear one,
+``y = ((x o s) @ W) o r + b + delta_k``, with ``s`` over the ``nx`` inputs and ``r`` over the ``nf``
+outputs. transformers stays optional: the default mapping holds this class once
+``transformers.pytorch_utils`` is imported.
+
+References:
+    Dusenberry et al., ICML 2020, Eq. 1; transformers ``pytorch_utils.Conv1D``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from bayesify.layers.affine import Rank1Affine
+
+__all__ = ["Rank1HFConv1D"]
+
+
+class Rank1HFConv1D(Rank1Affine):
+    """``y = ((x o s) @ W) o r + b_k`` on the last axis; the batch at ``batch_dim`` (capped as for Linear)."""
+
+    @property
+    def rank1_known_forwards(self) -> tuple:  # type: ignore[override]
+        return (type(self).__rank1_base__.forward,) if type(self).__rank1_base__.__name__ == "Conv1D" else ()
+
+    def rank1_features(self) -> tuple[int, int]:
+        return self.nx, self.nf
+
+    def rank1_axes(self, x: Tensor) -> tuple[int | None, int]:
+        if x.dim() < 2:
+            return None, -1
+        return min(self.rank1_config.batch_dim, x.dim() - 2), -1
+
+    def rank1_core(self, x: Tensor) -> Tensor:
+        return x @ self._parameters["weight"]

@@ -1,0 +1,214 @@
+"""What an output means decides how evaluation reduces the members: checked against per-member loops by hand.
+
+Every head kind: class logits (last axis, and segmentation's channel axis), independent sigmoids,
+regression means, Gaussian (mean, log-variance) heads, members; models that say their task
+(timm, torchvision classification / segmentation / detection, Hugging Face) and models that do
+not (an error naming the option, never a guess).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import bayesify
+from bayesify.tasks import Binary, Classification, Gaussian, Members, Regression, TaskMap, infer_task
+
+DT = torch.float64
+K = 3
+
+
+def _randomise(model: nn.Module) -> None:
+    """Distinct components (delta posterior: exact per-member references)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".loc" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif "rank1_bias" in name:
+                p.normal_(0, 0.1)
+
+
+def _members_by_hand(model: nn.Module, *args) -> list:
+    """Each component's output, one pass each with route='component' (no tiling involved)."""
+    out = []
+    for k in range(K):
+        with torch.no_grad(), bayesify.mode(model, component=k, noise=False):
+            out.append(model(*args))
+    return out
+
+
+def _mlp(outputs: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, outputs)).to(DT)
+
+
+def test_a_model_that_does_not_say_gets_an_error_naming_the_option_not_a_guess() -> None:
+    model = bayesify.convert(_mlp(2), components=K).eval()
+    with pytest.raises(ValueError, match=r"does not know what the output of shape \(4, 2\) of Sequential means.*task="):
+        model(torch.randn(4, 5, dtype=DT))
+    # training, tiling and predict need no task
+    assert bayesify.predict(model, torch.randn(4, 5, dtype=DT)).shape == (K, 4, 2)
+    with bayesify.mode(model, task="classification"):
+        assert model(torch.randn(4, 5, dtype=DT)).shape == (4, 2)
+
+
+@pytest.mark.parametrize(
+    "task, reference",
+    [
+        ("classification", lambda m: torch.logsumexp(torch.stack([z.log_softmax(-1) for z in m]), 0) - math.log(K)),
+        ("multilabel", lambda m: torch.logit(torch.stack([z.sigmoid() for z in m]).mean(0))),
+        ("binary", lambda m: torch.logit(torch.stack([z.sigmoid() for z in m]).mean(0))),
+        ("regression", lambda m: torch.stack(m).mean(0)),
+    ],
+)
+def test_each_task_reduces_as_its_formula(task: str, reference) -> None:
+    model = bayesify.convert(_mlp(4 if task != "binary" else 1), components=K, posterior="delta", task=task)
+    _randomise(model)
+    x = torch.randn(6, 5, dtype=DT)
+    with torch.no_grad(), bayesify.mode(model, noise=False):
+        mixture = model.eval()(x)
+    torch.testing.assert_close(mixture, reference(_members_by_hand(model, x)))
+
+
+def test_gaussian_head_reduces_by_the_law_of_total_variance() -> None:
+    model = bayesify.convert(_mlp(4), components=K, posterior="delta", task="gaussian")  # 2 means, 2 log-variances
+    _randomise(model)
+    x = torch.randn(6, 5, dtype=DT)
+    with torch.no_grad(), bayesify.mode(model, noise=False):
+        mixture = model.eval()(x)
+    members = torch.stack(_members_by_hand(model, x))  # [K, 6, 4]
+    means, variances = members[..., :2], members[..., 2:].exp()
+    total = variances.mean(0) + ((means - means.mean(0)) ** 2).mean(0)
+    torch.testing.assert_close(mixture[..., :2], means.mean(0))
+    torch.testing.assert_close(mixture[..., 2:].exp(), total)
+    u = bayesify.uncertainty(model, x, samples=1, noise=False)
+    torch.testing.assert_close(u.total_variance, total)
+    torch.testing.assert_close(u.epistemic_variance, ((means - means.mean(0)) ** 2).mean(0))
+
+
+def test_a_three_axis_output_needs_its_class_axis() -> None:
+    class Conv1dSegmenter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(2, 5, 3, padding=1)
+
+        def forward(self, x):
+            return self.conv(x)  # [B, 5 classes, L]
+
+    model = bayesify.convert(Conv1dSegmenter().to(DT), components=K, task="classification").eval()
+    x = torch.randn(2, 2, 7, dtype=DT)
+    with pytest.raises(ValueError, match="pass class_axis=1 or class_axis=-1"):
+        model(x)
+    with torch.no_grad(), bayesify.mode(model, task="classification", class_axis=1, noise=False):
+        out = model(x)
+    assert out.shape == (2, 5, 7)
+    torch.testing.assert_close(out.exp().sum(1), torch.ones(2, 7, dtype=DT))  # probabilities over the class axis
+
+
+def test_segmentation_at_init_agrees_with_the_original_on_every_pixel() -> None:
+    from torchvision.models.segmentation import lraspp_mobilenet_v3_large
+
+    torch.manual_seed(0)
+    original = lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=5).eval()
+    model = bayesify.convert(copy.deepcopy(original), components=K).eval()
+    assert infer_task(model) == TaskMap((("out", Classification(1)), ("aux", Classification(1))))
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        expected = original(x)["out"]
+        with bayesify.mode(model, noise=False):
+            mixture = model(x)["out"]
+    assert mixture.shape == expected.shape == (2, 5, 64, 64)
+    assert torch.equal(mixture.argmax(1), expected.argmax(1))  # every pixel (it was 17% with the softmax over width)
+    torch.testing.assert_close(mixture, expected.log_softmax(1), atol=1e-4, rtol=1e-4)
+
+
+def test_segmentation_mixture_is_per_pixel_over_classes() -> None:
+    from torchvision.models.segmentation import fcn_resnet50
+
+    torch.manual_seed(0)
+    model = bayesify.convert(
+        fcn_resnet50(weights=None, weights_backbone=None, num_classes=3, aux_loss=True).to(DT),
+        components=K, posterior="delta",
+    ).eval()  # fmt: skip
+    _randomise(model)
+    x = torch.randn(1, 3, 32, 32, dtype=DT)
+    with torch.no_grad(), bayesify.mode(model, noise=False):
+        mixture = model(x)
+    members = _members_by_hand(model, x)
+    for key in ("out", "aux"):
+        expected = torch.logsumexp(torch.stack([m[key].log_softmax(1) for m in members]), 0) - math.log(K)
+        torch.testing.assert_close(mixture[key], expected)
+
+
+def test_detection_gives_members_or_an_error_never_a_tiled_batch() -> None:
+    from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_320_fpn
+
+    torch.manual_seed(0)
+    model = fasterrcnn_mobilenet_v3_large_320_fpn(
+        weights=None, weights_backbone=None, num_classes=3, min_size=64, max_size=64
+    )
+    bayesify.convert(model, components=2)
+    assert isinstance(bayesify.tasks.infer_task(model), Members)
+    images = [torch.rand(3, 64, 64), torch.rand(3, 48, 64)]
+    model.eval()
+    with pytest.raises(ValueError, match=r"bayesify.predict\(model, inputs\).*fuse_detections"):
+        model(images)
+    members = bayesify.predict(model, images, samples=2)
+    assert len(members) == 4 and all(len(m) == 2 and {"boxes", "labels", "scores"} <= set(m[0]) for m in members)
+    fused = bayesify.detection.fuse_detections(members)
+    assert len(fused) == 2 and {"agreement", "box_std"} <= set(fused[0])
+    model.train()  # one random component per pass: every layer agrees on it, whatever the proposals per image
+    targets = [{"boxes": torch.tensor([[4.0, 4.0, 30.0, 30.0]]), "labels": torch.tensor([1])}] * 2
+    losses = model(images, targets)
+    loss = sum(losses.values()) + bayesify.kl_divergence(model) / 100
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_timm_and_torchvision_classifiers_say_they_are_classifiers() -> None:
+    import timm
+    import torchvision
+
+    assert infer_task(timm.create_model("resnet18", num_classes=4)) == Classification(-1)
+    assert infer_task(timm.create_model("resnet18", num_classes=0)) is None  # features: it must say
+    assert infer_task(torchvision.models.resnet18(num_classes=4)) == Classification(-1)
+    assert infer_task(nn.Linear(3, 2)) is None
+
+
+def test_huggingface_loss_is_the_mixtures_nll_and_generate_runs() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    bayesify.convert(model, components=K, init="normal", init_mean_std=0.3)
+    assert len(list(bayesify.rank1_layers(model))) == 9  # 8 Conv1D + lm_head
+    model.eval()
+    ids = torch.randint(50, (2, 6))
+    with torch.no_grad():
+        out = model(ids, labels=ids, output_hidden_states=True)
+    # the mixture's NLL of the next tokens, by hand from the reduced logits
+    expected = F.cross_entropy(out.logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1))
+    torch.testing.assert_close(out.loss, expected)
+    assert torch.allclose(out.logits.exp().sum(-1), torch.ones(2, 6), atol=1e-5)
+    assert out.hidden_states[-1].shape == (2, 6, 32)  # averaged, not log-softmaxed
+    generated = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert generated.shape == (2, 9)
+
+
+def test_tasks_by_name_and_by_object() -> None:
+    assert isinstance(bayesify.tasks.parse_task("binary"), Binary)
+    assert bayesify.tasks.parse_task("gaussian", gaussian_variance="softplus") == Gaussian("softplus")
+    assert isinstance(bayesify.tasks.parse_task(lambda members: members.max(0).values), bayesify.tasks.CustomTask)
+    assert bayesify.tasks.parse_task({"out": "classification"}) == TaskMap((("out", Classification()),))
+    with pytest.raises(ValueError, match="task='softmax' is not a valid TaskName option"):
+        bayesify.tasks.parse_task("softmax")
+    model = bayesify.convert(_mlp(3), components=K, task=lambda m: m.max(0).values).eval()
+    x = torch.randn(2, 5, dtype=DT)
+    with torch.no_grad(), bayesify.mode(model, noise=False):
+        assert model(x).shape == (2, 3)
+    assert isinstance(Regression().reduce(torch.ones(3, 2)), torch.Tensor)
