@@ -26,7 +26,7 @@ its inputs and outputs (:meth:`~bayesify.layers.ConvertedLayer.rank1_input_axes`
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unfla
 from torch.utils.hooks import RemovableHandle
 
 from bayesify.mixture import split_members, tile
-from bayesify.options import Route
+from bayesify.options import Route, Sampling
 from bayesify.tasks import Auto, HuggingFaceTask, Members, Regression, Task, TaskMap
 
 if TYPE_CHECKING:
@@ -55,16 +55,30 @@ class RouteSpec:
     component: int | None = None
 
 
+Block = tuple[int, int, int]
+"""``(component, start, stop)``: rows ``start:stop`` of a batch all go through ``component``."""
+
+
 @dataclass
 class ForwardState:
     """The routing of the forward pass in flight (kept after it for a backward pass that recomputes it)."""
 
     spec: RouteSpec
     rows: Tensor  # component of every row of the routed batch
+    blocks: tuple[Block, ...] | None  # the rows as contiguous runs of one component each (None: no such runs)
     batch: int  # examples in the batch as given
     axis: int | None  # batch axis of the inputs (None: one unbatched example)
     members: int  # copies of each example in the routed batch (K * samples when tiled, else 1)
     labels: Tensor | None = None  # a Hugging Face model's `labels` as given (to recompute its loss)
+    block_components: Tensor | None = None  # the component of each block, on the device (made on first use)
+
+
+class Routing(NamedTuple):
+    """How the rows of one layer call are routed (see :meth:`Router.rows_for`)."""
+
+    rows: Tensor  # [n] component of each row
+    blocks: tuple[Block, ...] | None = None  # contiguous runs of one component, when the rows run so
+    block_components: Tensor | None = None  # [len(blocks)] their components, on the rows' device
 
 
 @dataclass
@@ -116,21 +130,29 @@ class Router:
         """Whether layers sample their factors now (outside a routed forward pass: always)."""
         return self.state.spec.noise if self.live() and self.state is not None else True
 
-    def rows_for(self, n: int, device: torch.device) -> Tensor:
-        """Component index of each of the ``n`` rows of a layer's input."""
-        rows = self.rows
-        if rows is None or not self.live():
+    def rows_for(self, n: int, device: torch.device) -> Routing:
+        """The routing of the ``n`` rows of a layer's input: each row's component, and the rows as blocks
+        of one component each when they run so."""
+        state = self.state
+        if state is None or not self.live():
             # called outside the converted root's forward (a submodule used on its own):
             # no shared routing exists, so each row gets its own random component
-            return torch.randint(self.components, (n,), device=device)
-        total = rows.shape[0]
+            return Routing(torch.randint(self.components, (n,), device=device))
+        rows, blocks, total = state.rows, state.blocks, state.rows.shape[0]
+        if blocks is not None and state.block_components is None:  # once per forward, on the rows' device
+            state.block_components = torch.tensor([k for k, _, _ in blocks]).to(rows.device, non_blocking=True)
+        components = state.block_components
         if n == total:
-            return rows
+            return Routing(rows, blocks, components)
         if n % total == 0:
             # extra axes folded into the batch, batch-major (e.g. windows): repeat each row's component
-            return rows[:, None].expand(total, n // total).reshape(-1)
+            factor = n // total
+            scaled = None if blocks is None else tuple((k, a * factor, b * factor) for k, a, b in blocks)
+            return Routing(rows[:, None].expand(total, factor).reshape(-1), scaled, components)
         # a batch-independent input (e.g. a table fed through an MLP): one component for the whole call
-        return rows[:1].expand(n)
+        if blocks is None:
+            return Routing(rows[:1].expand(n))
+        return Routing(rows[:1].expand(n), ((blocks[0][0], 0, n),), components[:1])
 
     # ---- hooks on the root module ------------------------------------------------------------
 
@@ -161,17 +183,22 @@ class Router:
             batch, device = (1 if axis is None else first.shape[axis]), first.device
         self.active = True
         if spec.route is Route.SAMPLE:
-            self.state = ForwardState(spec, torch.randint(self.components, (batch,), device=device), batch, axis, 1)
+            if self.config.sampling is Sampling.EXAMPLE:  # the reference: a random component per example
+                rows = torch.randint(self.components, (batch,), device=device)
+                self.state = ForwardState(spec, rows, None, batch, axis, 1)
+            else:
+                self.state = ForwardState(spec, *_balanced_blocks(self.components, batch, device), batch, axis, 1)
             return args, kwargs
         if spec.route is Route.COMPONENT:
             rows = torch.full((batch,), spec.component, dtype=torch.long, device=device)
-            self.state = ForwardState(spec, rows, batch, axis, 1)
+            self.state = ForwardState(spec, rows, ((spec.component, 0, batch),), batch, axis, 1)
             return args, kwargs
-        # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B)
+        # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B); one block per member
         members = self.components * spec.samples
         rows = member_rows(self.components, spec.samples * batch, device)
+        blocks = tuple((i // spec.samples, i * batch, (i + 1) * batch) for i in range(members))
         labels = kwargs.get("labels") if isinstance(kwargs.get("labels"), Tensor) else None
-        self.state = ForwardState(spec, rows, batch, axis, members, labels)
+        self.state = ForwardState(spec, rows, blocks, batch, axis, members, labels)
 
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
         if axes is None:
@@ -209,7 +236,7 @@ class Router:
         component = spec.component if spec.route is Route.COMPONENT else int(torch.randint(self.components, ()))
         rows = torch.full((batch,), component, dtype=torch.long, device=device)
         self.active = True
-        self.state = ForwardState(spec, rows, batch, 0, 1)
+        self.state = ForwardState(spec, rows, ((component, 0, batch),), batch, 0, 1)
         return args, kwargs
 
     def end(self, module: nn.Module, output: object) -> object:
@@ -293,6 +320,27 @@ class Router:
             return split_members(t, t.shape[dim] // batch, dim)
 
         return tree_unflatten([split_leaf(t, d) for t, d in zip(leaves, axes)], tree)
+
+
+def _balanced_blocks(components: int, batch: int, device: torch.device) -> tuple[Tensor, tuple[Block, ...]]:
+    """The sample route's rows: contiguous, balanced blocks, one per component, in a random order.
+
+    A uniform, stratified assignment (the data is shuffled anyway): every component gets
+    ``batch // K`` or one more rows, and which component takes the first block is random, so an
+    unshuffled batch is no worse off than with one random component per example. The order is drawn
+    on the CPU, so no device sync is needed to know the blocks.
+    """
+    order = torch.randperm(components).tolist()
+    base, extra = divmod(batch, components)
+    blocks, start = [], 0
+    for i, k in enumerate(order):
+        size = base + (1 if i < extra else 0)
+        if size:
+            blocks.append((k, start, start + size))
+            start += size
+    sizes = torch.tensor([b - a for _, a, b in blocks])
+    rows = torch.repeat_interleave(torch.tensor([k for k, _, _ in blocks]), sizes).to(device, non_blocking=True)
+    return rows, tuple(blocks)
 
 
 def member_rows(components: int, rows_each: int, device: torch.device) -> Tensor:

@@ -16,7 +16,17 @@ import typing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction, StrOption, VarianceParameter, option
+from bayesify.options import (
+    Init,
+    Perturbation,
+    Posterior,
+    Prior,
+    Reduction,
+    Sampling,
+    StrOption,
+    VarianceParameter,
+    option,
+)
 from bayesify.tasks import Task, TaskName, parse_task
 from bayesify.variational.kl import check_pair
 
@@ -58,6 +68,11 @@ class Rank1Config:
     init_jitter: float = option(0.0, "std of truncated-normal jitter on the raw scale (reference: 0.1)")
     clip: float | None = option(10.0, "samples of r and s clipped to [-clip, clip] (reference: 10; None: off)")
     batch_dim: int = option(0, "where the batch lies in the model's inputs (and Linear layers' inputs)")
+    sampling: Sampling = option(
+        Sampling.AUTO,
+        "'auto': per layer, one sample per component folded into the weight where that is cheaper (conv nets), "
+        "else per example; 'example': per example everywhere (the reference); 'component': per component everywhere",
+    )
     task: TaskName | Task = option(
         TaskName.AUTO,
         "what the output means, i.e. how evaluation reduces the members: 'auto' (ask the model: timm, torchvision, "

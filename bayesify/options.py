@@ -18,6 +18,7 @@ __all__ = [
     "Prior",
     "Reduction",
     "Route",
+    "Sampling",
     "StrOption",
     "VarianceParameter",
     "option",
@@ -99,6 +100,20 @@ class Route(StrOption):
     """Every example through all K components; output reduced to the mixture predictive (evaluation default)."""
     COMPONENT = "component"
     """Every example through one chosen component (``mode(component=k)``)."""
+
+
+class Sampling(StrOption):
+    """How often the factors are sampled, and so how a layer may compute: per example, or per component."""
+
+    AUTO = "auto"
+    """Per layer, whichever costs less: layers whose weight is small next to their activations (conv nets,
+    large batches) fold one sample per component into their weight and run each component's rows as one
+    block; the others (large weights at small batches) sample per example."""
+    EXAMPLE = "example"
+    """One sample per example in every layer (the reference); the per-example path everywhere."""
+    COMPONENT = "component"
+    """One sample per component (per member when tiled) and forward pass in every layer: every layer that can
+    folds its weights."""
 
 
 class VarianceParameter(StrOption):

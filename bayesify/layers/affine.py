@@ -8,17 +8,28 @@ forward on the perturbed input; the bias it adds is accounted for.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from torch import Tensor
 
 from bayesify.config import Rank1Config
 from bayesify.layers._intercept import split_call
-from bayesify.layers.base import Rank1Layer
-from bayesify.layers.rank1_op import rank1_affine
-from bayesify.options import Perturbation
+from bayesify.layers.base import Draw, Rank1Layer
+from bayesify.layers.rank1_op import rank1_affine, rank1_folded
+from bayesify.options import Perturbation, Sampling
 
-__all__ = ["Rank1Affine"]
+__all__ = ["Fold", "Rank1Affine"]
+
+
+@dataclass(frozen=True)
+class Fold:
+    """How a layer runs with a given weight: ``apply(x, weight, bias)``, its groups and weight layout."""
+
+    weight: Tensor
+    apply: Callable[[Tensor, Tensor, Tensor | None], Tensor]
+    groups: int = 1
+    transposed: bool = False  # weight stored [in, out] (Hugging Face Conv1D)
 
 
 class Rank1Affine(Rank1Layer):
@@ -46,6 +57,11 @@ class Rank1Affine(Rank1Layer):
     def rank1_batch_axis(self, x: Tensor) -> int | None:
         return self.rank1_axes(x)[0]
 
+    def rank1_fold(self) -> Fold | None:
+        """How this layer runs with a given weight (for :func:`~bayesify.layers.rank1_op.rank1_folded`),
+        or None when it cannot (a subclass's own forward, e.g. weight standardisation)."""
+        return None
+
     def rank1_setup(self, config: Rank1Config) -> None:
         fan_in, fan_out = self.rank1_features()
         self.rank1_s = self.rank1_factor(fan_in)
@@ -56,7 +72,9 @@ class Rank1Affine(Rank1Layer):
         base = type(self).__rank1_base__
         # a plain torch layer whose weight is a Parameter (not a parametrization / pruning mask)
         if base.forward in self.rank1_known_forwards and not args and not kwargs and "weight" in self._parameters:
-            return self._rank1_apply(input, self.rank1_core, self._parameters.get("bias"), core_adds_bias=False)
+            return self._rank1_apply(
+                input, self.rank1_core, self._parameters.get("bias"), core_adds_bias=False, fold=self.rank1_fold()
+            )
 
         # a subclass with its own forward (weight standardisation, same padding, ...): run it as is
         # on the perturbed input; it adds the original bias, which the op accounts for
@@ -72,7 +90,13 @@ class Rank1Affine(Rank1Layer):
         return self._rank1_apply(input, core, self._parameters.get("bias"), core_adds_bias=True)
 
     def _rank1_apply(
-        self, x: Tensor, core: Callable[[Tensor], Tensor], bias: Tensor | None, *, core_adds_bias: bool
+        self,
+        x: Tensor,
+        core: Callable[[Tensor], Tensor],
+        bias: Tensor | None,
+        *,
+        core_adds_bias: bool,
+        fold: Fold | None = None,
     ) -> Tensor:
         batch_axis, channel_axis = self.rank1_axes(x)
         if x.dim() == 0 or x.shape[channel_axis] != self.rank1_s.features:
@@ -82,6 +106,16 @@ class Rank1Affine(Rank1Layer):
                 f"{channel_axis}, got an input of shape {tuple(x.shape)}."
             )
         draw = self.rank1_draw(1 if batch_axis is None else x.shape[batch_axis], x.device)
+        additive = self.rank1_config.perturbation is Perturbation.ADDITIVE
+        if fold is not None and not additive and batch_axis is not None and self._rank1_folds(draw, x, fold.weight):
+            offset = None if self.rank1_bias is None else draw.gather_blocks(self.rank1_bias)
+            if bias is not None:
+                offset = bias.unsqueeze(0) if offset is None else offset + bias
+            return rank1_folded(
+                x, draw.blocks, fold.weight, fold.apply, draw.sample_blocks(self.rank1_s),
+                draw.sample_blocks(self.rank1_r), offset, batch_axis=batch_axis, groups=fold.groups,
+                transposed=fold.transposed,
+            )  # fmt: skip
         offset = None if self.rank1_bias is None else draw.gather(self.rank1_bias)
         if bias is not None and not core_adds_bias:
             offset = bias.unsqueeze(0) if offset is None else offset + bias
@@ -91,11 +125,22 @@ class Rank1Affine(Rank1Layer):
             draw.sample(self.rank1_s),
             draw.sample(self.rank1_r),
             offset,
-            additive=self.rank1_config.perturbation is Perturbation.ADDITIVE,
+            additive=additive,
             batch_axis=batch_axis,
             channel_axis=channel_axis,
             core_bias=bias if core_adds_bias else None,
         )
+
+    def _rank1_folds(self, draw: Draw, x: Tensor, weight: Tensor) -> bool:
+        """Whether this call runs folded: blocked rows, and (``sampling='auto'``) K weight-sized passes
+        cost no more than the per-row path's activation-sized ones."""
+        sampling = self.rank1_config.sampling
+        if draw.blocks is None or sampling is Sampling.EXAMPLE:
+            return False
+        return sampling is Sampling.COMPONENT or len(draw.blocks) * weight.numel() <= x.numel()
+
+    def _rank1_groups(self) -> int:
+        return getattr(self, "groups", 1)
 
     def _rank1_external(self, func: Callable) -> Callable:
         """Handler for ``func(input, weight, bias, ...)`` called on this layer's intercepted weight."""
@@ -107,7 +152,10 @@ class Rank1Affine(Rank1Layer):
                 return NotImplemented
             w = self._parameters["weight"]
             self.rank1_state.intercepted_by = getattr(func, "__name__", "function")
+            fold = Fold(w, lambda v, weight, b: func(v, weight, b, *rest, **rest_kwargs), self._rank1_groups())
             with torch._C.DisableTorchFunctionSubclass():
-                return self._rank1_apply(x, lambda v: func(v, w, None, *rest, **rest_kwargs), bias, core_adds_bias=False)
+                return self._rank1_apply(
+                    x, lambda v: func(v, w, None, *rest, **rest_kwargs), bias, core_adds_bias=False, fold=fold
+                )
 
         return handle

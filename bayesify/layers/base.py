@@ -34,8 +34,9 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 from torch import Tensor, nn
 
-from bayesify._router import Router
+from bayesify._router import Block, Router
 from bayesify.config import Rank1Config
+from bayesify.options import Sampling
 from bayesify.layers._intercept import intercept
 from bayesify.variational.factor import Rank1Factor
 from bayesify.variational.kl import KLTerm, total_kl
@@ -90,7 +91,8 @@ class LayerState:
 
 @dataclass(frozen=True)
 class Draw:
-    """How one call of a layer is routed: the component of each row and whether to sample.
+    """How one call of a layer is routed: the component of each row, whether to sample, and the rows'
+    blocks of one component each (when they run so; see :class:`bayesify.Sampling`).
 
     Example:
         >>> draw = self.rank1_draw(x.shape[0], x.device)
@@ -99,14 +101,37 @@ class Draw:
 
     rows: Tensor
     noise: bool
+    blocks: tuple[Block, ...] | None = None
+    block_components: Tensor | None = None
+    per_block: bool = False  # one sample per block on the per-row path too (sampling='component')
 
     def sample(self, factor: Rank1Factor) -> Tensor:
         """One value of ``factor`` per row, ``[n, features]``, from each row's component."""
+        if self.per_block and self.blocks is not None:
+            return _spread(self.sample_blocks(factor), self.blocks)
         return factor.sample(self.rows, self.noise)
+
+    def sample_blocks(self, factor: Rank1Factor) -> Tensor:
+        """One value of ``factor`` per block, ``[len(blocks), features]``."""
+        assert self.block_components is not None, "sample_blocks() needs blocked rows"
+        return factor.sample(self.block_components, self.noise)
 
     def gather(self, table: Tensor) -> Tensor:
         """Row ``k`` of a ``[K, ...]`` per-component table for each row: ``[n, ...]``."""
         return table[self.rows]
+
+    def gather_blocks(self, table: Tensor) -> Tensor:
+        """Row ``k`` of a ``[K, ...]`` per-component table for each block."""
+        assert self.block_components is not None, "gather_blocks() needs blocked rows"
+        return table[self.block_components]
+
+
+def _spread(per_block: Tensor, blocks: tuple[Block, ...]) -> Tensor:
+    """``[blocks, F]`` -> ``[rows, F]``: each block's value on each of its rows."""
+    sizes = [b - a for _, a, b in blocks]
+    if len(set(sizes)) == 1:
+        return per_block[:, None].expand(len(blocks), sizes[0], per_block.shape[-1]).reshape(-1, per_block.shape[-1])
+    return torch.cat([v.expand(n, -1) for v, n in zip(per_block[:, None], sizes)])
 
 
 class ConvertedLayer(nn.Module):
@@ -195,8 +220,10 @@ class ConvertedLayer(nn.Module):
     def rank1_draw(self, n: int, device: torch.device) -> Draw:
         """The routing of a call on ``n`` rows: each row's component (shared by every layer of the
         model within one forward pass) and whether to sample."""
-        router = self.rank1_state.router
-        return Draw(router.rows_for(n, device), router.noise)
+        state = self.rank1_state
+        routing = state.router.rows_for(n, device)
+        per_block = state.config.sampling is Sampling.COMPONENT
+        return Draw(routing.rows, state.router.noise, routing.blocks, routing.block_components, per_block)
 
     def rank1_factor(self, features: int, config: Rank1Config | None = None) -> Rank1Factor:
         """A new factor of ``features`` entries (K components), on this layer's device and dtype."""

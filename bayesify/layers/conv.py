@@ -16,7 +16,7 @@ from typing import Callable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.layers.affine import Rank1Affine
+from bayesify.layers.affine import Fold, Rank1Affine
 
 __all__ = ["Rank1Conv", "Rank1ConvTranspose"]
 
@@ -48,6 +48,9 @@ class Rank1Conv(_Rank1ConvBase):
 
     def rank1_core(self, x: Tensor) -> Tensor:
         return self._conv_forward(x, self._parameters["weight"], None)
+
+    def rank1_fold(self) -> Fold:
+        return Fold(self._parameters["weight"], self._conv_forward, self.groups)
 
 
 class Rank1ConvTranspose(_Rank1ConvBase):

@@ -12,9 +12,10 @@ References:
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from bayesify.layers.affine import Rank1Affine
+from bayesify.layers.affine import Fold, Rank1Affine
 
 __all__ = ["Rank1HFConv1D"]
 
@@ -36,3 +37,10 @@ class Rank1HFConv1D(Rank1Affine):
 
     def rank1_core(self, x: Tensor) -> Tensor:
         return x @ self._parameters["weight"]
+
+    def rank1_fold(self) -> Fold:
+        return Fold(self._parameters["weight"], _dense, transposed=True)
+
+
+def _dense(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x @ weight if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)

@@ -7,7 +7,7 @@ from typing import Callable
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.layers.affine import Rank1Affine
+from bayesify.layers.affine import Fold, Rank1Affine
 
 __all__ = ["Rank1Linear"]
 
@@ -35,6 +35,9 @@ class Rank1Linear(Rank1Affine):
 
     def rank1_core(self, x: Tensor) -> Tensor:
         return F.linear(x, self._parameters["weight"])
+
+    def rank1_fold(self) -> Fold:
+        return Fold(self._parameters["weight"], F.linear)
 
     def rank1_functional_handlers(self) -> dict[Callable, Callable]:
         return {F.linear: self._rank1_external(F.linear)}

@@ -12,6 +12,16 @@ original bias and the component's bias offset (the reference gives each componen
 A core that adds the bias itself (a subclass's own forward) passes it as ``core_bias``: in the
 multiplicative form it must not be scaled by ``r``, so ``r * core_bias`` is taken back off.
 
+Two ways to compute it, the same function:
+
+* **per row** (:func:`rank1_affine`): scale the activations, ``x o s`` before and ``o r + offset``
+  after the layer's own map; a sample per example. Cheap when the activations are small next to
+  the weight (large layers at small batches).
+* **folded** (:func:`rank1_folded`): rows that run as blocks of one component and one sample
+  each (:class:`bayesify.Sampling`) get that block's weight ``W o (r_b s_b^T)`` and the layer's own
+  map runs once per block: weight-sized work instead of activation-sized, and no activation kept
+  for the factors. Cheap when the weight is small next to the activations (conv nets).
+
 References:
     Dusenberry et al., ICML 2020, Eq. 1 and Sec. 3; edward2 ``DenseRank1`` / ``Conv2DRank1``.
 """
@@ -23,7 +33,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["broadcast_rows", "rank1_affine"]
+__all__ = ["broadcast_rows", "fold_weight", "rank1_affine", "rank1_folded"]
 
 
 def broadcast_rows(v: Tensor, ndim: int, batch_axis: int | None, channel_axis: int) -> Tensor:
@@ -80,3 +90,57 @@ def rank1_affine(
         out = out + r
         return out if offset is None else out + offset
     return out * r if offset is None else torch.addcmul(offset, out, r)
+
+
+def fold_weight(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, transposed: bool = False) -> Tensor:
+    """``W o (r s^T)``: ``r`` scales the output channels, ``s`` the input channels.
+
+    Args:
+        weight: ``[out, in / groups, *kernel]`` (torch's Linear / Conv layout), or ``[in, out]`` with
+            ``transposed`` (Hugging Face ``Conv1D``).
+        r: ``[out]``; s: ``[in]`` (a grouped convolution's weight holds group ``g``'s inputs in the rows
+            of group ``g``'s outputs).
+    """
+    if transposed:
+        return weight * s[:, None] * r[None, :]
+    out, per_group = weight.shape[0], weight.shape[1]
+    if groups > 1:
+        s = s.view(groups, 1, per_group).expand(groups, out // groups, per_group).reshape(out, per_group)
+    else:
+        s = s.view(1, per_group)
+    kernel = (1,) * (weight.dim() - 2)
+    return weight * r.view(out, 1, *kernel) * s.view(s.shape[0], per_group, *kernel)
+
+
+def rank1_folded(
+    x: Tensor,
+    blocks: tuple[tuple[int, int, int], ...],
+    weight: Tensor,
+    apply: Callable[[Tensor, Tensor, Tensor | None], Tensor],
+    s: Tensor,
+    r: Tensor,
+    offset: Tensor | None,
+    *,
+    batch_axis: int = 0,
+    groups: int = 1,
+    transposed: bool = False,
+) -> Tensor:
+    """The layer's own map once per block of rows, with that block's folded weight.
+
+    Args:
+        x: the input, batch at ``batch_axis``.
+        blocks: ``(component, start, stop)`` runs covering the rows in order.
+        weight: the layer's weight (see :func:`fold_weight`).
+        apply: ``apply(x_block, weight, bias)``: the layer's map (``F.linear``, a convolution, ...).
+        s, r: ``[len(blocks), in]`` and ``[len(blocks), out]``: one sample per block.
+        offset: ``[len(blocks), out]`` bias per block (bias + the component's offset), or None.
+
+    Multiplicative perturbation only: an additive one is not a weight (``(x + s) * W`` with padding
+    is not ``x * W + const``), so it takes :func:`rank1_affine`.
+    """
+    outputs = []
+    for i, (_, start, stop) in enumerate(blocks):
+        w = fold_weight(weight, r[i], s[i], groups=groups, transposed=transposed)
+        part = x.narrow(batch_axis, start, stop - start)
+        outputs.append(apply(part, w, None if offset is None else offset[i]))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, batch_axis)

@@ -1,0 +1,129 @@
+"""The folded path (one weight per block of one component) is the per-row path's function, and its gradients.
+
+Checked in float64 against the per-example path (``sampling='example'``) on the same parameters,
+with noise off (the same means) so the two must agree to rounding: outputs and the gradients of
+every parameter; and ``torch.autograd.gradcheck`` on the op itself. Every foldable family and
+option: Linear, Conv1-3d, grouped / dilated / strided / padding modes, Hugging Face Conv1D, weights
+used directly (``F.linear(x, layer.weight)``); the tile, component and sample routes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import bayesify
+from bayesify.layers.rank1_op import fold_weight, rank1_folded
+
+DT = torch.float64
+K = 3
+
+
+def _randomise(model: nn.Module) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".loc" in name:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif "rank1_bias" in name:
+                p.normal_(0, 0.2)
+
+
+def _pair(module: nn.Module, task: str = "regression") -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    folded = bayesify.convert(copy.deepcopy(module).to(DT), components=K, sampling="component", task=task)
+    _randomise(folded)
+    reference = copy.deepcopy(folded)
+    for _, layer in bayesify.rank1_layers(reference):
+        layer.rank1_state.config = layer.rank1_config.replace(sampling="example")
+    return folded, reference
+
+
+def _check(folded: nn.Module, reference: nn.Module, x: torch.Tensor, route: str) -> None:
+    outputs, grads = [], []
+    for model in (folded, reference):
+        model.zero_grad()
+        torch.manual_seed(1)  # the same component order for the sample route
+        with bayesify.mode(model, route=route, noise=False, **({"component": 1} if route == "component" else {})):
+            out = model.train()(x)
+        out.square().sum().backward()
+        outputs.append(out)
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(outputs[0], outputs[1])
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], msg=f"gradient of {name}")
+
+
+LAYERS = {
+    "linear": (lambda: nn.Linear(5, 4), (6, 5)),
+    "linear-seq": (lambda: nn.Linear(5, 4), (6, 3, 5)),
+    "conv1d": (lambda: nn.Conv1d(4, 6, 3, padding=1), (6, 4, 9)),
+    "conv2d-grouped-strided": (lambda: nn.Conv2d(4, 6, 3, stride=2, groups=2, bias=False), (6, 4, 9, 9)),
+    "conv2d-depthwise-dilated": (lambda: nn.Conv2d(6, 6, 3, dilation=2, padding=2, groups=6), (6, 6, 8, 8)),
+    "conv2d-reflect": (lambda: nn.Conv2d(3, 5, 3, padding=1, padding_mode="reflect"), (6, 3, 7, 7)),
+    "conv2d-same": (lambda: nn.Conv2d(3, 5, 4, padding="same"), (6, 3, 7, 7)),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2), (6, 2, 4, 4, 4)),
+}
+
+
+@pytest.mark.parametrize("route", ["tile", "component", "sample"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_folded_equals_per_row(name: str, route: str) -> None:
+    make, shape = LAYERS[name]
+    folded, reference = _pair(nn.Sequential(make(), nn.Tanh()))
+    _check(folded, reference, torch.randn(*shape, dtype=DT), route)
+
+
+def test_huggingface_conv1d_and_intercepted_weights_fold() -> None:
+    transformers = pytest.importorskip("transformers")
+
+    class Uses(nn.Module):  # uses its Linear's weight directly, as timm's EVA does
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(5, 4)
+            self.dense = transformers.pytorch_utils.Conv1D(3, 4)
+
+        def forward(self, x):
+            return self.dense(F.linear(x, self.proj.weight, self.proj.bias).tanh())
+
+    folded, reference = _pair(Uses())
+    _check(folded, reference, torch.randn(6, 5, dtype=DT), "tile")
+
+
+def test_the_fold_is_w_times_r_s_transposed_for_groups() -> None:
+    weight = torch.randn(6, 2, 3, dtype=DT)  # 6 outputs, 3 groups of 2 inputs
+    r, s = torch.randn(6, dtype=DT), torch.randn(6, dtype=DT)
+    expected = torch.empty_like(weight)
+    for o in range(6):
+        group = o // 2
+        for i in range(2):
+            expected[o, i] = weight[o, i] * r[o] * s[group * 2 + i]
+    torch.testing.assert_close(fold_weight(weight, r, s, groups=3), expected)
+
+
+def test_gradcheck_of_the_folded_op() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 6, dtype=DT, requires_grad=True)
+    weight = torch.randn(4, 3, 2, dtype=DT, requires_grad=True)
+    s = torch.randn(2, 3, dtype=DT, requires_grad=True)
+    r = torch.randn(2, 4, dtype=DT, requires_grad=True)
+    offset = torch.randn(2, 4, dtype=DT, requires_grad=True)
+    blocks = ((0, 0, 2), (1, 2, 5))
+
+    def op(x, weight, s, r, offset):
+        return rank1_folded(x, blocks, weight, F.conv1d, s, r, offset)
+
+    assert torch.autograd.gradcheck(op, (x, weight, s, r, offset))
+
+
+def test_component_sampling_draws_one_sample_per_block() -> None:
+    layer = bayesify.convert(nn.Linear(4, 4), components=2, sampling="component", init_std=0.5, task="regression")
+    x = torch.ones(2, 4)
+    with torch.no_grad(), bayesify.mode(layer, route="tile", samples=2):
+        out = layer(x).view(4, 2, 4)  # 4 members (2 components x 2 samples), 2 identical examples each
+    torch.testing.assert_close(out[:, 0], out[:, 1])  # one network per member
+    assert not torch.allclose(out[0], out[1])  # two samples of component 0 differ
