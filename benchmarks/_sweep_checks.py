@@ -440,7 +440,9 @@ def _check_model(
     original_keys = list(model.state_dict().keys())
     result.params_original = sum(p.numel() for _, p in original_params)
 
-    converted = bayesify.convert(model, components=components)
+    # classifiers say their task (timm's num_classes > 0, torchvision); a feature backbone's output is averaged
+    task = "auto" if bayesify.tasks.infer_task(model) is not None else "regression"
+    converted = bayesify.convert(model, components=components, task=task)
     _require(converted is model, "convert", "convert() returned a different object than it was given")
 
     # (e) same Parameter objects under the same names; original state_dict keys unchanged

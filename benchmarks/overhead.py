@@ -1,28 +1,36 @@
-"""Cost of a rank-1 model vs its deterministic original, and vs a mean-field peer, side by side.
+"""What a rank-1 model costs next to its deterministic original: ratios measured side by side in one run.
 
-    make bench            # or: python benchmarks/overhead.py [--model resnet18] [--batch 32] [--size 32]
-    python benchmarks/overhead.py --device cuda --model resnet50 --batch 128 --size 224 [--amp bf16] [--compile]
-    python benchmarks/overhead.py --rows sample,delta      # only these rows besides the deterministic one
+    make bench            # = python benchmarks/overhead.py: the CPU table of the README
+    python benchmarks/overhead.py --models resnet18:32 --repeats 25 --threads 2
+    python benchmarks/overhead.py --device cuda --models resnet50:224 --batch 128 --amp bf16 [--compile]
+    python benchmarks/overhead.py --peers                 # + BatchEnsemble and bayesian-torch's mean-field
 
-Measures, in one run on the same machine, for one SGD training step (forward + backward +
-step) of a torchvision / timm model (CIFAR size by default):
+For each model (``name:image size``, timm), K components, batch B, in one process, every row
+timed round-robin with its yardstick (median of ``--repeats`` after a warm-up, so load on the
+machine hits all rows alike):
 
-* time (median of ``--repeats`` after warm-up), as a ratio to the deterministic model;
-* parameters, as a ratio;
-* activation memory saved for backward (bytes of the tensors autograd keeps, counted with
-  ``torch.autograd.graph.saved_tensors_hooks``: device-independent), as a ratio; on CUDA also
-  the step's peak allocated memory above what the model and optimizer hold before it.
+* **training step, default route** (one SGD step, ``route="sample"``, KL term included) vs the
+  deterministic step at batch B;
+* **training step, tiled route** (the paper's layout: every example through all K components) vs
+  the deterministic step at batch K*B (the same rows);
+* **evaluation, mixture of K** (``model.eval()`` forward, no gradients) vs the deterministic
+  forward at batch K*B;
+* **memory** of each training step: the bytes of the tensors autograd saves for the backward pass
+  (``saved_tensors_hooks``; device-independent), and on CUDA the step's peak allocation above the
+  model and optimizer state;
+* **recurrent** (``--recurrent``, on by default on the CPU): a converted LSTM / GRU training step
+  (default route) vs torch's fused ``nn.LSTM`` / ``nn.GRU`` (seq 50, batch B, hidden 128).
 
-Rows: deterministic; bayesify K=4 "sample" route (the training default, one component per
-example); bayesify K=4 "tile" route (the paper's layout: every example through all K, so a
-4x larger effective batch); BatchEnsemble (bayesify ``posterior="delta"``); and, when installed,
-bayesian-torch's mean-field ``dnn_to_bnn`` (Reparameterization) as a peer.
+It prints a markdown table with the machine and the command; ratios, not absolute times, are
+what carry over between machines.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import platform
+import sys
 from typing import Callable
 
 import torch
@@ -62,6 +70,11 @@ def peak_step_bytes(step: Callable[[], None], device: torch.device) -> int | Non
     return torch.cuda.max_memory_allocated(device) - before
 
 
+def _sync(x: torch.Tensor) -> None:
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)  # time the work, not its launch
+
+
 def make_step(
     model: nn.Module,
     x: torch.Tensor,
@@ -71,7 +84,8 @@ def make_step(
     kl: Callable | None = None,
     amp: torch.dtype | None = None,
     compile: bool = False,
-):
+) -> Callable[[], None]:
+    """One SGD step of ``model`` on ``(x, y)`` (the labels tiled for ``route="tile"``)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     model.train()
     forward = torch.compile(model) if compile else model
@@ -89,85 +103,152 @@ def make_step(
                 loss = loss + kl(model) / 50_000
         loss.backward()
         optimizer.step()
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)  # time the work, not its launch
+        _sync(x)
 
     return step
 
 
+def make_eval(model: nn.Module, x: torch.Tensor, *, amp: torch.dtype | None = None, compile: bool = False) -> Callable[[], None]:
+    """One evaluation forward (the mixture of K for a converted model)."""
+    model.eval()
+    forward = torch.compile(model) if compile else model
+
+    def run() -> None:
+        with torch.no_grad(), torch.autocast(x.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            forward(x)
+        _sync(x)
+
+    return run
+
+
+def _model(spec: str, device: torch.device) -> tuple[nn.Module, int]:
+    import timm
+
+    name, _, size = spec.partition(":")
+    size = int(size or 224)
+    kwargs = {"img_size": size} if "vit" in name or "deit" in name or "eva" in name else {}
+    return timm.create_model(name, num_classes=10, **kwargs).to(device), size
+
+
+def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: torch.dtype | None) -> list[list[str]]:
+    """The table rows of one model: each measured against its own yardstick, in one round-robin run."""
+    base, size = _model(spec, device)
+    k, batch = args.components, args.batch
+    x = torch.randn(batch, 3, size, size, device=device)
+    y = torch.randint(10, (batch,), device=device)
+    x_tiled, y_tiled = torch.cat([x] * k), torch.cat([y] * k)
+    rank1 = bayesify.convert(copy.deepcopy(base), components=k, sampling=args.sampling)
+    tiled = copy.deepcopy(rank1)
+    options = dict(amp=amp, compile=args.compile)
+    steps = {
+        "det@B": make_step(copy.deepcopy(base), x, y, **options),
+        "det@KB": make_step(copy.deepcopy(base), x_tiled, y_tiled, **options),
+        "det eval@KB": make_eval(copy.deepcopy(base), x_tiled, **options),
+        "sample": make_step(rank1, x, y, kl=bayesify.kl_divergence, **options),
+        "tile": make_step(tiled, x, y, route="tile", kl=bayesify.kl_divergence, **options),
+        "mixture": make_eval(copy.deepcopy(rank1), x, **options),
+    }
+    if args.peers:
+        be = bayesify.convert(copy.deepcopy(base), components=k, posterior="delta", sampling=args.sampling)
+        steps["delta"] = make_step(be, x, y, **options)
+        try:
+            from bayesian_torch.models.dnn_to_bnn import dnn_to_bnn, get_kl_loss
+        except ImportError:
+            print("(bayesian-torch not installed: its row is skipped; pip install -e '.[bench]')", file=sys.stderr)
+        else:
+            peer = copy.deepcopy(base)
+            dnn_to_bnn(peer, {"prior_mu": 0.0, "prior_sigma": 1.0, "posterior_mu_init": 0.0, "posterior_rho_init": -3.0,
+                              "type": "Reparameterization", "moped_enable": False})  # fmt: skip
+            steps["peer"] = make_step(peer, x, y, kl=get_kl_loss, **options)
+    seconds = dict(zip(steps, time_steps(list(steps.values()), args.repeats)))
+    memory = {} if args.compile else {n: saved_activation_bytes(steps[n]) for n in ("det@B", "det@KB", "sample", "tile")}
+    peaks = {n: peak_step_bytes(steps[n], device) for n in ("det@B", "det@KB", "sample", "tile")}
+
+    def ratio(a: str, b: str) -> str:
+        return f"{seconds[a] / seconds[b]:.2f}"
+
+    def mem(a: str, b: str) -> str:
+        saved = f"{memory[a] / memory[b]:.2f}" if memory else "-"
+        peak = f" (peak {peaks[a] / peaks[b]:.2f})" if peaks[a] is not None else ""
+        return saved + peak
+
+    title = f"{spec} B={batch}"
+    rows = [
+        [title, "training step, default route", "det at B", ratio("sample", "det@B"), mem("sample", "det@B"),
+         f"{seconds['det@B'] * 1e3:.0f} / {seconds['sample'] * 1e3:.0f}"],
+        [title, "training step, tiled route", "det at K*B", ratio("tile", "det@KB"), mem("tile", "det@KB"),
+         f"{seconds['det@KB'] * 1e3:.0f} / {seconds['tile'] * 1e3:.0f}"],
+        [title, f"evaluation, mixture of {k}", "det at K*B", ratio("mixture", "det eval@KB"), "-",
+         f"{seconds['det eval@KB'] * 1e3:.0f} / {seconds['mixture'] * 1e3:.0f}"],
+    ]  # fmt: skip
+    if "delta" in steps:
+        rows.append([title, "BatchEnsemble training step", "det at B", ratio("delta", "det@B"), "-", f"{seconds['delta'] * 1e3:.0f}"])
+    if "peer" in steps:
+        rows.append([title, "bayesian-torch mean-field step", "det at B", ratio("peer", "det@B"), "-", f"{seconds['peer'] * 1e3:.0f}"])
+    return rows
+
+
+def recurrent_rows(args: argparse.Namespace, device: torch.device) -> list[list[str]]:
+    """A converted LSTM / GRU training step (default route) vs torch's fused module."""
+    rows = []
+    for cls in (nn.LSTM, nn.GRU):
+        torch.manual_seed(0)
+        layer = cls(128, 128, batch_first=True).to(device)
+        rank1 = bayesify.convert(copy.deepcopy(layer), components=args.components, task="regression")
+        x = torch.randn(args.batch, 50, 128, device=device)
+
+        def step(module: nn.Module) -> Callable[[], None]:
+            def run() -> None:
+                module.zero_grad(set_to_none=True)
+                loss = module(x)[0].square().mean()
+                if bayesify.is_converted(module):
+                    loss = loss + bayesify.kl_divergence(module) / 50_000
+                loss.backward()
+                _sync(x)
+
+            return run
+
+        torch_s, rank1_s = time_steps([step(layer.train()), step(rank1.train())], args.repeats)
+        memory = saved_activation_bytes(step(rank1)) / saved_activation_bytes(step(layer))
+        rows.append([f"{cls.__name__} 128, seq 50, B={args.batch}", "training step, default route", "torch's fused",
+                     f"{rank1_s / torch_s:.2f}", f"{memory:.2f}", f"{torch_s * 1e3:.0f} / {rank1_s * 1e3:.0f}"])  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="resnet18", help="timm or torchvision model name")
+    parser.add_argument("--models", default="resnet18:32,vit_tiny_patch16_224:64", help="timm name:image size, comma-separated")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--components", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sampling", default="auto", help="the conversion's sampling option (auto, example, component)")
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--amp", choices=["bf16", "fp16"], help="autocast the forward to this dtype")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
-    parser.add_argument(
-        "--rows",
-        default="sample,tile,delta,peer",
-        help="comma list of rows besides the deterministic one (compiling each takes a while)",
-    )
+    parser.add_argument("--peers", action="store_true", help="add BatchEnsemble and bayesian-torch rows")
+    parser.add_argument("--no-recurrent", dest="recurrent", action="store_false", help="skip the LSTM / GRU rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.amp]
 
-    import timm
+    rows = []
+    for spec in args.models.split(","):
+        rows += model_rows(spec, args, device, amp)
+    if args.recurrent and not args.compile:
+        rows += recurrent_rows(args, device)
 
-    base = timm.create_model(args.model, num_classes=10).to(device)
-    x = torch.randn(args.batch, 3, args.size, args.size, device=device)
-    y = torch.randint(10, (args.batch,), device=device)
-    k = args.components
-    options = dict(amp=amp, compile=args.compile)
-
-    wanted = set(args.rows.split(","))
-    rows: list[tuple[str, nn.Module, Callable[[], None]]] = []
-    rows.append(("deterministic", base, make_step(base, x, y, **options)))
-    if "sample" in wanted:
-        sample = bayesify.convert(copy.deepcopy(base), components=k)
-        rows.append((f"bayesify K={k} sample route", sample, make_step(sample, x, y, kl=bayesify.kl_divergence, **options)))
-    if "tile" in wanted:
-        tile = bayesify.convert(copy.deepcopy(base), components=k)
-        step = make_step(tile, x, y, route="tile", kl=bayesify.kl_divergence, **options)
-        rows.append((f"bayesify K={k} tile route", tile, step))
-    if "delta" in wanted:
-        be = bayesify.convert(copy.deepcopy(base), components=k, posterior="delta")
-        rows.append((f"BatchEnsemble K={k} (delta)", be, make_step(be, x, y, **options)))
-    if "peer" in wanted:
-        try:
-            from bayesian_torch.models.dnn_to_bnn import dnn_to_bnn, get_kl_loss
-        except ImportError:
-            print("(bayesian-torch not installed: peer row skipped; pip install -e '.[bench]')")
-        else:
-            peer = copy.deepcopy(base)
-            dnn_to_bnn(peer, {"prior_mu": 0.0, "prior_sigma": 1.0, "posterior_mu_init": 0.0, "posterior_rho_init": -3.0,
-                              "type": "Reparameterization", "moped_enable": False})  # fmt: skip
-            rows.append(("bayesian-torch mean-field", peer, make_step(peer, x, y, kl=get_kl_loss, **options)))
-
-    params0 = sum(p.numel() for p in base.parameters())
-    results = []
-    seconds_all = time_steps([step for _, _, step in rows], args.repeats)
-    for (name, model, step), seconds in zip(rows, seconds_all):
-        peak = peak_step_bytes(step, device)
-        memory = saved_activation_bytes(step) if not args.compile else None  # compiled graphs save inside
-        params = sum(p.numel() for p in model.parameters())
-        results.append((name, seconds, params, memory, peak))
-    t0, m0, p0 = results[0][1], results[0][3], results[0][4]
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU threads {args.threads}"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {args.threads} threads"
     extras = "".join(f", {e}" for e in (args.amp and f"autocast {args.amp}", args.compile and "torch.compile") if e)
-    print(f"{args.model}, batch {args.batch}, {args.size}x{args.size}, {where}{extras}, one SGD step")
-    header = f"{'':34}{'step s':>9}{'time x':>8}{'params':>13}{'params x':>10}{'act MB':>9}{'mem x':>7}"
-    print(header + (f"{'peak MB':>9}{'peak x':>8}" if p0 is not None else ""))
-    for name, seconds, params, memory, peak in results:
-        line = f"{name:34}{seconds:9.4f}{seconds / t0:8.2f}{params:13,}{params / params0:10.3f}"
-        line += f"{memory / 2**20:9.1f}{memory / m0:7.2f}" if memory is not None else f"{'-':>9}{'-':>7}"
-        line += f"{peak / 2**20:9.1f}{peak / p0:8.2f}" if peak is not None else ""
-        print(line)
+    print(f"bayesify {bayesify.__version__}, torch {torch.__version__}, {where}{extras}, K={args.components}, "
+          f"sampling={args.sampling}, median of {args.repeats}")  # fmt: skip
+    print(f"command: python {' '.join(sys.argv)}\n")
+    print("| model | figure | against | time x | memory x (saved activations) | ms (yardstick / rank-1) |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

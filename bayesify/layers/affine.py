@@ -111,19 +111,20 @@ class Rank1Affine(Rank1Layer):
             offset = None if self.rank1_bias is None else draw.gather_blocks(self.rank1_bias)
             if bias is not None:
                 offset = bias.unsqueeze(0) if offset is None else offset + bias
+            s, r = draw.sample_blocks(self.rank1_s, self.rank1_r)
             return rank1_folded(
-                x, draw.blocks, fold.weight, fold.apply, draw.sample_blocks(self.rank1_s),
-                draw.sample_blocks(self.rank1_r), offset, batch_axis=batch_axis, groups=fold.groups,
+                x, draw.blocks, fold.weight, fold.apply, s, r, offset, batch_axis=batch_axis, groups=fold.groups,
                 transposed=fold.transposed,
             )  # fmt: skip
         offset = None if self.rank1_bias is None else draw.gather(self.rank1_bias)
         if bias is not None and not core_adds_bias:
             offset = bias.unsqueeze(0) if offset is None else offset + bias
+        s, r = draw.sample(self.rank1_s, self.rank1_r)
         return rank1_affine(
             x,
             core,
-            draw.sample(self.rank1_s),
-            draw.sample(self.rank1_r),
+            s,
+            r,
             offset,
             additive=additive,
             batch_axis=batch_axis,
@@ -132,12 +133,22 @@ class Rank1Affine(Rank1Layer):
         )
 
     def _rank1_folds(self, draw: Draw, x: Tensor, weight: Tensor) -> bool:
-        """Whether this call runs folded: blocked rows, and (``sampling='auto'``) K weight-sized passes
-        cost no more than the per-row path's activation-sized ones."""
+        """Whether this call runs folded: blocked rows, and (``sampling='auto'``) the folded path moves
+        fewer bytes than the per-row one.
+
+        The per-row path makes ~3 activation-sized passes on each side of the layer (scale, and in the
+        backward the scaled gradient and the factor's reduction); the folded one ~8 weight-sized passes
+        per block (fold, and in the backward the chain rule to W, r and s). Memory follows the same
+        count: the per-row path keeps the scaled input and the unscaled output for the backward pass.
+        """
         sampling = self.rank1_config.sampling
         if draw.blocks is None or sampling is Sampling.EXAMPLE:
             return False
-        return sampling is Sampling.COMPONENT or len(draw.blocks) * weight.numel() <= x.numel()
+        if sampling is Sampling.COMPONENT:
+            return True
+        fan_in, fan_out = self.rank1_features()
+        activations = x.numel() + x.numel() // max(fan_in, 1) * fan_out
+        return 8 * len(draw.blocks) * weight.numel() < 3 * activations
 
     def _rank1_groups(self) -> int:
         return getattr(self, "groups", 1)

@@ -38,7 +38,7 @@ from bayesify._router import Block, Router
 from bayesify.config import Rank1Config
 from bayesify.options import Sampling
 from bayesify.layers._intercept import intercept
-from bayesify.variational.factor import Rank1Factor
+from bayesify.variational.factor import Rank1Factor, sample_factors
 from bayesify.variational.kl import KLTerm, total_kl
 
 __all__ = ["ConvertedLayer", "Draw", "LayerState", "Rank1Layer", "rank1_class"]
@@ -105,16 +105,23 @@ class Draw:
     block_components: Tensor | None = None
     per_block: bool = False  # one sample per block on the per-row path too (sampling='component')
 
-    def sample(self, factor: Rank1Factor) -> Tensor:
-        """One value of ``factor`` per row, ``[n, features]``, from each row's component."""
+    def sample(self, *factors: Rank1Factor) -> Tensor | list[Tensor]:
+        """One value of each factor per row, ``[n, features]``, from each row's component (a list for
+        several factors, drawn together)."""
         if self.per_block and self.blocks is not None:
-            return _spread(self.sample_blocks(factor), self.blocks)
-        return factor.sample(self.rows, self.noise)
+            values = [_spread(v, self.blocks) for v in self._blocks(factors)]
+        else:
+            values = sample_factors(factors, self.rows, self.noise)
+        return values[0] if len(factors) == 1 else values
 
-    def sample_blocks(self, factor: Rank1Factor) -> Tensor:
-        """One value of ``factor`` per block, ``[len(blocks), features]``."""
-        assert self.block_components is not None, "sample_blocks() needs blocked rows"
-        return factor.sample(self.block_components, self.noise)
+    def sample_blocks(self, *factors: Rank1Factor) -> Tensor | list[Tensor]:
+        """One value of each factor per block, ``[len(blocks), features]`` (a list for several factors)."""
+        values = self._blocks(factors)
+        return values[0] if len(factors) == 1 else values
+
+    def _blocks(self, factors: tuple[Rank1Factor, ...]) -> list[Tensor]:
+        assert self.block_components is not None, "per-block samples need blocked rows"
+        return sample_factors(factors, self.block_components, self.noise)
 
     def gather(self, table: Tensor) -> Tensor:
         """Row ``k`` of a ``[K, ...]`` per-component table for each row: ``[n, ...]``."""
