@@ -6,13 +6,14 @@ robust = evaluate_corruptions(model, bundle.test, samples=4, transform=bundle.no
 """
 
 from bayesify.evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupt_images
-from bayesify.evaluation.evaluator import evaluate, evaluate_corruptions, predict_members
+from bayesify.evaluation.evaluator import compare_corruptions, evaluate, evaluate_corruptions, predict_members
 from bayesify.evaluation.metrics import compute_metrics
 from bayesify.evaluation.report import markdown_report, reliability_diagram, severity_plot
 
 __all__ = [
     "CORRUPTIONS",
     "SEVERITIES",
+    "compare_corruptions",
     "compute_metrics",
     "corrupt_images",
     "evaluate",
