@@ -1,0 +1,299 @@
+"""Evaluate a run directory of ``bayesify train``: ``report.md``, ``evaluation.json`` and plots.
+
+    bayesify evaluate --out runs/rank1 --corruptions --baseline runs/det
+
+From Python::
+
+    from bayesify.evaluation import evaluate_run
+    results = evaluate_run("runs/rank1", corruptions="all", baseline="runs/det")
+    results["clean"]["ece"], results["corrupted"]["mean"]["ece"]
+
+The run's model is rebuilt from the configuration saved in its checkpoint, its weights loaded,
+and it is evaluated on the clean test set (every metric, members included) and, when asked,
+on the corrupted test sets (cNLL, cA, cECE). A ``baseline`` run (e.g. the deterministic network
+trained with ``--deterministic``) on the same data is evaluated the same way, on the same
+corrupted images, and drawn on the same axes. Posterior noise is seeded (0) for every test
+set, so evaluating the same checkpoint twice gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from bayesify.evaluation.corruptions import SEVERITIES, parse_corruptions
+from bayesify.evaluation.evaluator import compare_corruptions, predict_members
+from bayesify.evaluation.metrics import compute_metrics, mixture_log_probs
+from bayesify.evaluation.report import markdown_report, reliability_diagram, severity_plot, write_json
+
+if TYPE_CHECKING:
+    from bayesify.data import DataBundle
+    from bayesify.training import TrainConfig
+
+__all__ = ["LoadedRun", "evaluate_run", "load_run"]
+
+REPORT = "report.md"
+EVALUATION = "evaluation.json"
+RELIABILITY_PLOT = "reliability.png"
+CORRUPTION_PLOT = "corruptions.png"
+_CAPTIONS = {"reliability": "reliability diagram", "corruptions": "corruption severity curves"}
+
+
+@dataclass
+class LoadedRun:
+    """A trained run, ready to evaluate.
+
+    Attributes:
+        directory: the run directory (``--out`` of ``bayesify train``).
+        config: the run's :class:`~bayesify.training.TrainConfig`, as saved in its checkpoint.
+        model: the network with the checkpoint's weights, on the device, in eval mode.
+        data: the run's data set.
+        step: the optimizer step the checkpoint was written at.
+    """
+
+    directory: Path
+    config: TrainConfig
+    model: nn.Module
+    data: DataBundle
+    step: int
+
+    @property
+    def kind(self) -> str:
+        """``"rank-1 K=4"`` or ``"deterministic"``."""
+        return f"rank-1 K={self.config.components}" if self.config.components else "deterministic"
+
+    @property
+    def label(self) -> str:
+        """The kind and the directory name, e.g. ``"rank-1 K=4 (runs/a)"``: tells two runs apart."""
+        return f"{self.kind} ({self.directory.name or self.directory})"
+
+
+def load_run(
+    out_dir: str | os.PathLike,
+    *,
+    device: str | torch.device = "auto",
+    data_dir: str | os.PathLike | None = None,
+    data: DataBundle | None = None,
+) -> LoadedRun:
+    """Rebuild the model of a run directory from its checkpoint.
+
+    Args:
+        out_dir: the directory ``bayesify train --out`` wrote.
+        device: auto, cpu, cuda, cuda:N or xla.
+        data_dir: where its data set is, if not where it was at training.
+        data: the data set, already loaded (skips loading it again; it must be the run's).
+
+    Raises:
+        CheckpointError: no checkpoint, or an unreadable one (the message names the fix).
+    """
+    from bayesify.data import load_data
+    from bayesify.training import TrainConfig, build_model, load_checkpoint
+    from bayesify.training.distributed import resolve_device
+    from bayesify.training.trainer import CHECKPOINT
+
+    directory = Path(out_dir)
+    state = load_checkpoint(directory / CHECKPOINT)
+    config = TrainConfig.from_dict(state["config"])
+    if data is None:
+        data = load_data(config.data, data_dir or config.data_dir, seed=0)
+    # the weights come from the checkpoint: never download pretrained ones
+    model = build_model(dataclasses.replace(config, pretrained=False), data)
+    model.load_state_dict(state["model"])
+    model.to(resolve_device(device)).eval()
+    return LoadedRun(directory, config, model, data, int(state["step"]))
+
+
+def evaluate_run(
+    out_dir: str | os.PathLike,
+    *,
+    corruptions: str | Sequence[str] | None = None,
+    severities: Sequence[int] = SEVERITIES,
+    samples: int | None = None,
+    batch_size: int = 256,
+    max_examples: int | None = None,
+    min_size: int = 32,
+    device: str | torch.device = "auto",
+    data_dir: str | os.PathLike | None = None,
+    progress: bool | None = None,
+    baseline: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """Evaluate the run in ``out_dir``; write its report, ``evaluation.json`` and plots there.
+
+    Args:
+        out_dir: the run directory of ``bayesify train``.
+        corruptions: None (clean test set only), ``"all"`` (the 15 ImageNet-C corruptions), or
+            names as a list or a comma-separated string. Image data only.
+        severities: corruption severities, from 1 to 5.
+        samples: M, posterior samples per component (None: each run's ``eval_samples``).
+        batch_size: test examples per forward pass.
+        max_examples: evaluate the first N test examples only.
+        min_size: images smaller than this are corrupted at an upsampled size.
+        device: auto, cpu, cuda, cuda:N or xla.
+        data_dir: where the data set is, if not where it was at training.
+        progress: a progress bar over the corrupted sets (None: only on a terminal).
+        baseline: another run directory on the same data (e.g. the deterministic network),
+            evaluated the same way and drawn on the same axes.
+
+    Returns:
+        What ``evaluation.json`` holds: ``step``, ``config``, ``settings``, ``clean``,
+        ``corrupted`` (None without corruptions), ``baseline`` (the same for the baseline run,
+        or None) and ``files`` (the paths written).
+
+    Raises:
+        ValueError: corruptions on non-image data, a baseline on other data, bad settings.
+        CheckpointError: a missing or unreadable checkpoint.
+
+    Example:
+        >>> results = evaluate_run("runs/rank1", corruptions="fog,frost", baseline="runs/det")
+        >>> results["corrupted"]["mean"]["accuracy"], results["baseline"]["corrupted"]["mean"]["accuracy"]
+    """
+    from bayesify.data import DataKind
+    from bayesify.training.distributed import resolve_device
+
+    _check_settings(samples=samples, batch_size=batch_size, max_examples=max_examples, min_size=min_size)
+    device = resolve_device(device)
+    run = load_run(out_dir, device=device, data_dir=data_dir)
+    names = None if corruptions is None else parse_corruptions(corruptions)
+    if names is not None and run.data.kind is not DataKind.IMAGE:
+        raise ValueError(
+            f"--corruptions applies to image data; {run.config.data} is {run.data.kind} data "
+            "(evaluate without --corruptions)."
+        )
+    runs = [run]
+    if baseline is not None:
+        runs.insert(0, _load_baseline(baseline, run, device))
+    test = run.data.test
+    if max_examples is not None:
+        test = Subset(test, range(min(max_examples, len(test))))
+    counts = [_samples(r, samples) for r in runs]
+
+    clean = [_evaluate_clean(r, test, m, batch_size, device) for r, m in zip(runs, counts)]
+    corrupted: list[dict[str, Any] | None] = [None] * len(runs)
+    if names is not None:
+        corrupted = compare_corruptions(
+            [(r.model, m) for r, m in zip(runs, counts)], test, corruptions=names, severities=severities,
+            device=device, transform=run.data.normalize, batch_size=batch_size, min_size=min_size, progress=progress,
+        )  # fmt: skip
+
+    settings = {
+        "samples": counts[-1],
+        "batch_size": batch_size,
+        "test_examples": len(test),
+        "corruptions": list(names) if names is not None else None,
+        "severities": list(severities) if names is not None else None,
+        "min_size": min_size,
+        "device": str(device),
+        "checkpoint_step": run.step,
+    }
+    files = _write_plots(runs, clean, corrupted)
+    results: dict[str, Any] = {
+        "step": run.step,
+        "config": run.config.to_dict(),
+        "settings": settings,
+        "clean": clean[-1]["metrics"],
+        "corrupted": corrupted[-1],
+        "baseline": None,
+        "files": {},
+    }
+    if baseline is not None:
+        base = runs[0]
+        results["baseline"] = {
+            "run": str(base.directory),
+            "label": base.label,
+            "step": base.step,
+            "config": base.config.to_dict(),
+            "clean": clean[0]["metrics"],
+            "corrupted": corrupted[0],
+        }
+    report = markdown_report(
+        results["clean"],
+        results["corrupted"],
+        title=f"{run.config.model} on {run.config.data}, {run.kind} (step {run.step})",
+        images={_CAPTIONS[name]: Path(path).name for name, path in files.items()},
+        config=results["config"],
+        settings=settings,
+        label=run.label,
+        baseline=results["baseline"],
+    )
+    report_path = run.directory / REPORT
+    report_path.write_text(report)
+    results["files"] = {"report": str(report_path), "evaluation": str(run.directory / EVALUATION), **files}
+    write_json(results, run.directory / EVALUATION)
+    return results
+
+
+def _check_settings(*, samples: int | None, batch_size: int, max_examples: int | None, min_size: int) -> None:
+    for name, value, least in (
+        ("samples", samples, 1),
+        ("batch_size", batch_size, 1),
+        ("max_examples", max_examples, 1),
+        ("min_size", min_size, 1),
+    ):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+def _load_baseline(directory: str | os.PathLike, run: LoadedRun, device: str | torch.device) -> LoadedRun:
+    from bayesify.training import TrainConfig, load_checkpoint
+    from bayesify.training.trainer import CHECKPOINT
+
+    saved = TrainConfig.from_dict(load_checkpoint(Path(directory) / CHECKPOINT)["config"])
+    if saved.data != run.config.data:
+        raise ValueError(
+            f"baseline {directory} was trained on {saved.data!r} but {run.directory} on {run.config.data!r}; "
+            "a baseline must be evaluated on the same test set: pass a run on the same data."
+        )
+    return load_run(directory, device=device, data=run.data)
+
+
+def _samples(run: LoadedRun, samples: int | None) -> int:
+    # M per component for a converted model; a deterministic one is a single member
+    if not run.config.components:
+        return 1
+    return samples if samples is not None else run.config.eval_samples
+
+
+def _evaluate_clean(
+    run: LoadedRun, test: Dataset, samples: int, batch_size: int, device: torch.device
+) -> dict[str, Any]:
+    # one pass over the test set: K x M member predictions, then every metric from them
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)  # the same noise draws on every evaluation of the same weights
+        log_probs, labels = predict_members(
+            run.model, DataLoader(test, batch_size=batch_size), samples=samples, device=device,
+            transform=run.data.normalize,
+        )  # fmt: skip
+    components = max(run.config.components, 1)
+    metrics = compute_metrics(log_probs, labels, components=components)
+    metrics.update(components=components, samples=samples)
+    return {"metrics": metrics, "probs": mixture_log_probs(log_probs).exp(), "labels": labels}
+
+
+def _write_plots(
+    runs: list[LoadedRun], clean: list[dict[str, Any]], corrupted: list[dict[str, Any] | None]
+) -> dict[str, str]:
+    # the run under evaluation is last; a baseline, when there is one, first
+    run = runs[-1]
+    title = f"{run.config.model} on {run.config.data}"
+    files = {"reliability": str(run.directory / RELIABILITY_PLOT)}
+    reliability_diagram(
+        clean[-1]["probs"], clean[-1]["labels"], files["reliability"], title=title, label=run.label,
+        baseline=(clean[0]["probs"], clean[0]["labels"]) if len(runs) > 1 else None, baseline_label=runs[0].label,
+    )  # fmt: skip
+    if corrupted[-1] is not None:
+        files["corruptions"] = str(run.directory / CORRUPTION_PLOT)
+        severity_plot(
+            corrupted[-1]["by_severity"], files["corruptions"],
+            title=f"{title}: corrupted test sets, mean over {len(corrupted[-1]['results'])} corruption types",
+            clean=clean[-1]["metrics"], label=run.label,
+            baseline=corrupted[0]["by_severity"] if len(runs) > 1 else None,
+            baseline_clean=clean[0]["metrics"], baseline_label=runs[0].label,
+        )  # fmt: skip
+    return files
