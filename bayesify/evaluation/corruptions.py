@@ -6,8 +6,8 @@ CIFAR-10-C / ImageNet-C files, bayesify corrupts any image test set as it is eva
 ``corrupt_tta.corrupt`` (the ImageNet-C code, fixed for numpy 2 / scikit-image). Corruptions
 draw from numpy's global generator; :func:`corrupt_images` seeds it for each call and restores
 it afterwards, so a corrupted test set is the same on every run. Three slow corruptions (frost,
-glass blur, zoom blur) run batched, with the library's numbers bit for bit
-(``bayesify/evaluation/_corrupt_batch.py``).
+glass blur, zoom blur) run batched, with the library's numbers bit for bit, and impulse noise
+draws from a seeded generator, which the library's does not (``_corrupt_batch.py``).
 
 Small images: the ImageNet-C parameters are tuned for 224-pixel images, and some (blur kernels,
 frost crops, pixelation) degenerate on 8x8 inputs. Images with a side below ``min_size``

@@ -33,6 +33,24 @@ def test_batched_corruptions_equal_the_library_image_by_image(corruption, shape)
         assert np.random.rand() == next_expected, f"{corruption} draws differently from numpy's generator"
 
 
+@pytest.mark.parametrize("severity, amount", [(1, 0.03), (5, 0.27)])
+def test_impulse_noise_is_the_library_salt_and_pepper_but_fixed_by_the_seed(severity, amount):
+    gray = np.full((64, 16, 16, 3), 100, dtype=np.uint8)
+    np.random.seed(3)
+    first = corrupt_batch(gray, severity, "impulse_noise")
+    np.random.seed(3)
+    assert np.array_equal(corrupt_batch(gray, severity, "impulse_noise"), first)  # the library's is not
+    np.random.seed(4)
+    assert not np.array_equal(corrupt_batch(gray, severity, "impulse_noise"), first)
+    untouched = np.float32(np.clip(gray[0, 0, 0, 0] / 255.0, 0, 1) * 255)  # the library's arithmetic
+    salt, pepper = first == 255, first == 0
+    assert np.all(salt | pepper | (first == untouched))
+    # each value flipped with probability `amount` (49k values: 4 standard deviations < 0.01), half to each side
+    assert abs((salt | pepper).mean() - amount) < 0.01 and abs(salt.mean() - pepper.mean()) < 0.01
+    library = _one_by_one(gray[:16], severity, "impulse_noise")
+    assert abs((library != untouched).mean() - amount) < 0.02
+
+
 def test_other_corruptions_and_other_library_versions_go_image_by_image(monkeypatch):
     pixels = np.random.default_rng(0).integers(0, 256, size=(2, 16, 16, 3), dtype=np.uint8)
     np.random.seed(1)
@@ -49,5 +67,5 @@ def test_other_corruptions_and_other_library_versions_go_image_by_image(monkeypa
     finally:
         monkeypatch.undo()
         fast_corruptions.cache_clear()
-    assert set(fast_corruptions()) == {"frost", "glass_blur", "zoom_blur"}
+    assert set(fast_corruptions()) == {"frost", "glass_blur", "impulse_noise", "zoom_blur"}
     assert _corrupt_batch.VERIFIED_VERSION == corrupt_tta.__version__

@@ -49,3 +49,9 @@ def test_bad_names_severities_and_shapes_name_the_fix():
         corrupt_images(torch.rand(1, 2, 8, 8), "fog", 1)
     assert parse_corruptions("fog, frost") == ("fog", "frost")
     assert parse_corruptions(None) == CORRUPTIONS == parse_corruptions("all")
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_every_corrupted_set_is_fixed_by_its_seed(corruption):
+    x = torch.rand(4, 1, 8, 8)
+    assert torch.equal(corrupt_images(x, corruption, 4, seed=9), corrupt_images(x, corruption, 4, seed=9))
