@@ -33,7 +33,7 @@ from torch import Tensor
 
 from bayesify.evaluation._corrupt_batch import corrupt_batch
 
-__all__ = ["CORRUPTIONS", "SEVERITIES", "corrupt_images", "corruption_seed", "parse_corruptions"]
+__all__ = ["CORRUPTIONS", "SEVERITIES", "corrupt_images", "corruption_seed", "parse_corruptions", "parse_severities"]
 
 CORRUPTIONS: tuple[str, ...] = (
     "gaussian_noise", "shot_noise", "impulse_noise",
@@ -56,6 +56,15 @@ def parse_corruptions(names: str | Iterable[str] | None) -> tuple[str, ...]:
     if unknown or not items:
         raise ValueError(f"corruptions={unknown or names!r} unknown; choose from: {', '.join(CORRUPTIONS)} (or 'all').")
     return tuple(items)
+
+
+def parse_severities(severities: Iterable[int]) -> tuple[int, ...]:
+    """Validated severities: one or more integers from 1 to 5, in the order given."""
+    items = tuple(severities)
+    bad = [s for s in items if isinstance(s, bool) or s not in SEVERITIES]
+    if bad or not items:
+        raise ValueError(f"severities={list(items)!r}: pass one or more integers from 1 to 5 (e.g. 1,3,5).")
+    return items
 
 
 def corrupt_images(

@@ -19,7 +19,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from bayesify.evaluation.corruptions import SEVERITIES, corrupt_images, corruption_seed, parse_corruptions
+from bayesify.evaluation.corruptions import (
+    SEVERITIES,
+    corrupt_images,
+    corruption_seed,
+    parse_corruptions,
+    parse_severities,
+)
 from bayesify.evaluation.metrics import compute_metrics, member_log_probs_from_logits
 from bayesify.mode import predict
 from bayesify.modules import is_converted, num_components
@@ -218,6 +224,7 @@ def compare_corruptions(
     from tqdm.auto import tqdm
 
     names = parse_corruptions(corruptions)
+    severities = parse_severities(severities)
     device = torch.device(device)
     loader = _loader(data, batch_size)
     for model, _ in models:

@@ -310,7 +310,8 @@ def markdown_report(
     lines = [f"# {title or 'bayesify evaluation'}", ""]
     head = ["NLL", "accuracy", "ECE", "Brier"] + (["AUC-PR", "AUC-ROC"] if binary else [])
     head += ["cNLL", "cA", "cECE"] if has_corruptions else []
-    lines.append(f"K = {clean.get('components', 1)} components x M = {clean.get('samples', 1)} samples per component")
+    members = f"K = {clean.get('components', 1)} components x M = {clean.get('samples', 1)} samples per component"
+    lines.append(f"{label}: {members}" if baseline is not None else members)
     lines.append("")
     if baseline is None:
         lines += _table(head, [_headline(clean, corrupted, binary)])
@@ -331,10 +332,11 @@ def markdown_report(
             "",
         ]
 
-    members = clean.get("members")
-    if members:
+    if clean.get("members"):
         lines += ["## Members", ""]
-        lines += _table(["component", "NLL", "accuracy"], [[k, m["nll"], m["accuracy"]] for k, m in enumerate(members)])
+        lines += _table(
+            ["component", "NLL", "accuracy"], [[k, m["nll"], m["accuracy"]] for k, m in enumerate(clean["members"])]
+        )
         d = clean["diversity"]
         lines += [
             (
@@ -356,8 +358,8 @@ def markdown_report(
             other = baseline["config"]
             keys = list(config) + [k for k in other if k not in config]
             lines += _table(
-                ["option", label, baseline["label"]],
-                [[k, _option(config.get(k)), _option(other.get(k))] for k in keys],
+                ["option", baseline["label"], label],
+                [[k, _option(other.get(k)), _option(config.get(k))] for k in keys],
             )
         else:
             lines += _table(["option", "value"], [[k, _option(v)] for k, v in config.items()])

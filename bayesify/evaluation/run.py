@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from bayesify.evaluation.corruptions import SEVERITIES, parse_corruptions
+from bayesify.evaluation.corruptions import SEVERITIES, parse_corruptions, parse_severities
 from bayesify.evaluation.evaluator import compare_corruptions, predict_members
 from bayesify.evaluation.metrics import compute_metrics, mixture_log_probs
 from bayesify.evaluation.report import markdown_report, reliability_diagram, severity_plot, write_json
@@ -158,9 +158,10 @@ def evaluate_run(
     from bayesify.training.distributed import resolve_device
 
     _check_settings(samples=samples, batch_size=batch_size, max_examples=max_examples, min_size=min_size)
+    names = None if corruptions is None else parse_corruptions(corruptions)
+    severities = parse_severities(severities)
     device = resolve_device(device)
     run = load_run(out_dir, device=device, data_dir=data_dir)
-    names = None if corruptions is None else parse_corruptions(corruptions)
     if names is not None and run.data.kind is not DataKind.IMAGE:
         raise ValueError(
             f"--corruptions applies to image data; {run.config.data} is {run.data.kind} data "

@@ -74,4 +74,4 @@ def test_the_report_puts_the_baseline_beside_the_model():
     assert "| rank-1 | 0.2500 | 0.9000 | 0.0300 | 0.1500 | 2.0000 | 0.8000 | 0.0200 |" in text
     assert "| severity | NLL det | NLL rank-1 | accuracy det | accuracy rank-1 | ECE det | ECE rank-1 |" in text
     assert "| 1 | 2.0000 | 1.0000 | 0.9000 | 0.9000 | 0.0100 | 0.0100 |" in text
-    assert "| option | rank-1 | det |" in text and "| components | 4 | 0 |" in text
+    assert "| option | det | rank-1 |" in text and "| components | 0 | 4 |" in text

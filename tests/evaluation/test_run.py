@@ -62,7 +62,7 @@ def test_a_baseline_is_evaluated_alike_and_drawn_beside_the_run(runs):
     assert baseline["clean"] == alone["clean"] and baseline["corrupted"] == alone["corrupted"]
     report = Path(together["files"]["report"]).read_text()
     assert "| deterministic (det) |" in report and "| rank-1 K=2 (rank1) |" in report
-    assert "| option | rank-1 K=2 (rank1) | deterministic (det) |" in report
+    assert "| option | deterministic (det) | rank-1 K=2 (rank1) |" in report
     for key in ("reliability", "corruptions"):
         assert Path(together["files"][key]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -87,5 +87,7 @@ def test_bad_requests_name_the_fix(runs, tmp_path):
         evaluate_run(runs["rank1"], baseline=runs["tabular"], max_examples=8)
     with pytest.raises(ValueError, match="samples=0 must be a positive integer"):
         evaluate_run(runs["rank1"], samples=0)
+    with pytest.raises(ValueError, match=r"severities=\[7\]: pass one or more integers from 1 to 5"):
+        evaluate_run(runs["rank1"], corruptions="fog", severities=(7,))
     with pytest.raises(ValueError, match="no checkpoint at"):
         evaluate_run(tmp_path / "missing")
