@@ -2,6 +2,7 @@
 
     bayesify train --model resnet18 --data digits --epochs 2 --out runs/a
     bayesify evaluate --out runs/a --corruptions
+    bayesify evaluate --out runs/a --corruptions --baseline runs/det   # det and rank-1 on the same plots
     bayesify train --out runs/a --resume --epochs 4            # continue (settings come from the checkpoint)
     bayesify train --model wide_resnet50_2 --data cifar10 --data-dir ~/data --preset cifar10 --out runs/c10
     torchrun --standalone --nproc-per-node 2 -m bayesify train --model cnn --data digits --out runs/ddp
@@ -60,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--min-size", type=int, default=32, help="corrupt smaller images at an upsampled size")
     e.add_argument("--device", default="auto")
     e.add_argument("--data-dir", help="override the run's data directory")
+    e.add_argument("--baseline", metavar="DIR",
+                   help="another run on the same data (e.g. --deterministic), evaluated alike and plotted beside it")  # fmt: skip
+    e.add_argument("--ood", metavar="SET",
+                   help="out-of-distribution detection against SET: a data set of the same input shape, "
+                        "CORRUPTION[:SEVERITY] (the test set corrupted), or noise")  # fmt: skip
     e.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     return parser
 
@@ -167,58 +173,16 @@ def _xla_worker(index: int, config: dict[str, Any], download: bool) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    import torch
-    from torch.utils.data import DataLoader, Subset
+    from bayesify.evaluation.run import evaluate_run
 
-    from bayesify.zoo.data import DataKind, load_data
-    from bayesify.evaluation import evaluate_corruptions
-    from bayesify.evaluation.evaluator import predict_members
-    from bayesify.evaluation.metrics import compute_metrics, mixture_log_probs
-    from bayesify.evaluation.report import markdown_report, reliability_diagram, severity_plot, write_json
-    from bayesify.training.distributed import resolve_device
-    from bayesify.training.run import load_run, restore_model
-
-    out = Path(args.out)
-    config, state = load_run(out)
-    bundle = load_data(config.data, args.data_dir or config.data_dir, seed=0)
-    model = restore_model(config, state, bundle)
-    device = resolve_device(args.device)
-    model.to(device).eval()
-    samples = args.samples or config.eval_samples
-    test = bundle.test
-    if args.max_examples:
-        test = Subset(test, range(min(args.max_examples, len(test))))
-
-    # one pass over the test set: K x M member predictions, then every metric from them
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(0)
-        loader = DataLoader(test, batch_size=args.batch_size)
-        log_probs, labels = predict_members(model, loader, samples=samples, device=device, transform=bundle.normalize)
-    components = 1 if config.deterministic else config.components
-    clean = compute_metrics(log_probs, labels, components=components)
-    clean.update(components=components, samples=1 if config.deterministic else samples)
-    images = {"reliability diagram": "reliability.png"}
-    title = f"{config.model} on {config.data}" + (
-        ", deterministic" if config.deterministic else f", rank-1 K={config.components}"
-    )
-    reliability_diagram(mixture_log_probs(log_probs).exp(), labels, out / "reliability.png", title=title)
-
-    corrupted = None
-    if args.corruptions is not None:
-        if bundle.kind is not DataKind.IMAGE:
-            raise UserError(f"--corruptions applies to image data; {config.data} is {bundle.kind} data.")
-        corrupted = evaluate_corruptions(
-            model, test, corruptions=args.corruptions, severities=args.severities, samples=samples, device=device,
-            transform=bundle.normalize, batch_size=args.batch_size, min_size=args.min_size, progress=args.progress,
-        )  # fmt: skip
-        severity_plot(corrupted["by_severity"], out / "corruptions.png", title=f"{title}: corrupted test set")
-        images["corruption severity curves"] = "corruptions.png"
-
-    report = markdown_report(clean, corrupted, title=f"{title} (step {state['step']})", images=images)
-    (out / "report.md").write_text(report)
-    write_json({"step": state["step"], "clean": clean, "corrupted": corrupted}, out / "evaluation.json")
-    print(report)
-    print(f"wrote {out / 'report.md'}, {out / 'evaluation.json'}, " + ", ".join(str(out / f) for f in images.values()))
+    results = evaluate_run(
+        args.out, corruptions=args.corruptions, severities=args.severities, samples=args.samples,
+        batch_size=args.batch_size, max_examples=args.max_examples, min_size=args.min_size, device=args.device,
+        data_dir=args.data_dir, progress=args.progress, baseline=args.baseline, ood=args.ood,
+    )  # fmt: skip
+    files = results["files"]
+    print(Path(files["report"]).read_text())
+    print("wrote " + ", ".join(files.values()))
     return 0
 
 

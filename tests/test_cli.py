@@ -126,3 +126,17 @@ def test_python_dash_m_reports_user_errors_without_a_traceback(tmp_path):
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.startswith("bayesify evaluate: error: no checkpoint at") and "Traceback" not in result.stderr
+
+
+def test_evaluate_with_a_baseline_draws_both_runs(tmp_path, capsys):
+    assert _train(tmp_path, "--max-steps", "2", "--epochs", "1", "--components", "2") == 0
+    assert _train(tmp_path, "--max-steps", "2", "--epochs", "1", "--deterministic", name="det") == 0
+    capsys.readouterr()
+    code = cli.main(["evaluate", "--out", str(tmp_path / "run"), "--baseline", str(tmp_path / "det"),
+                     "--corruptions", "contrast", "--severities", "2", "--max-examples", "32", "--no-progress"])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| deterministic (det) |" in printed and "| rank-1 K=2 (run) |" in printed
+    report = json.loads((tmp_path / "run" / "evaluation.json").read_text())
+    assert report["baseline"]["config"]["components"] == 0 and report["config"]["components"] == 2
+    assert (tmp_path / "run" / "corruptions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,14 +11,22 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from bayesify._router import find_router
-from bayesify.evaluation.corruptions import SEVERITIES, corrupt_images, corruption_seed, parse_corruptions
+from bayesify.evaluation.corruptions import (
+    SEVERITIES,
+    corrupt_images,
+    corruption_seed,
+    parse_corruptions,
+    parse_severities,
+)
 from bayesify.evaluation.metrics import compute_metrics, member_log_probs_from_logits, task_metrics
 from bayesify.evaluation.ood import ood_metrics_per_score
 from bayesify.inspection import is_converted, num_components
@@ -26,7 +34,14 @@ from bayesify.mode import predict
 from bayesify.tasks import Auto, Task, infer_task, parse_task
 from bayesify.uncertainty import members_uncertainty
 
-__all__ = ["collect_members", "evaluate", "evaluate_corruptions", "model_task", "predict_members"]
+__all__ = [
+    "collect_members",
+    "compare_corruptions",
+    "evaluate",
+    "evaluate_corruptions",
+    "model_task",
+    "predict_members",
+]
 
 Transform = Callable[[Tensor], Tensor]
 
@@ -110,6 +125,56 @@ def model_task(model: nn.Module, task: object = None) -> Task:
             "('classification', 'binary', 'multilabel', 'regression', 'gaussian'), or convert the model with task=."
         )
     return found
+
+
+def _prepare(x: Tensor, device: torch.device | str, transform: Transform | None) -> Tensor:
+    x = x.to(device)
+    return transform(x) if transform is not None else x
+
+
+@torch.no_grad()
+def _member_log_probs(model: nn.Module, x: Tensor, samples: int) -> Tensor:
+    # [K * M, B, C] on the CPU: every member of a converted model, the one member of a plain one
+    members = predict(model, x, samples=samples) if is_converted(model) else model(x).unsqueeze(0)
+    return member_log_probs_from_logits(members).cpu()
+
+
+@dataclass
+class _RandomStream:
+    """The torch random numbers (CPU and CUDA generators) one model draws as if it ran alone.
+
+    Several models evaluated batch by batch on the same corrupted images each continue their
+    own stream, so each sees the posterior noise it would see evaluated on its own.
+    """
+
+    state: tuple[Tensor, list[Tensor]]
+    devices: list[torch.device]
+
+    @classmethod
+    def seeded(cls, seed: int, device: torch.device) -> _RandomStream:
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return cls(_capture(devices), devices)
+
+    def copy(self) -> _RandomStream:
+        """A stream that continues from this one's state on its own."""
+        return _RandomStream(self.state, self.devices)
+
+    @contextlib.contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Draw from this stream inside the block; the caller's generators are left as they were."""
+        with torch.random.fork_rng(devices=self.devices):
+            cpu, cuda = self.state
+            torch.set_rng_state(cpu)
+            for device, state in zip(self.devices, cuda):
+                torch.cuda.set_rng_state(state, device)
+            yield
+            self.state = _capture(self.devices)
+
+
+def _capture(devices: list[torch.device]) -> tuple[Tensor, list[Tensor]]:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
 
 
 def _loader(data: Dataset | DataLoader, batch_size: int) -> DataLoader:
@@ -198,33 +263,91 @@ def evaluate_corruptions(
         {nll, accuracy, ece}}, "mean": {"nll", "accuracy", "ece"}}``; ``mean`` is (cNLL, cA,
         cECE), the average over all corruptions and severities.
     """
+    (result,) = compare_corruptions(
+        [(model, samples)], data, corruptions=corruptions, severities=severities, device=device,
+        transform=transform, batch_size=batch_size, bins=bins, seed=seed, min_size=min_size, progress=progress,
+    )  # fmt: skip
+    return result
+
+
+def compare_corruptions(
+    models: Sequence[tuple[nn.Module, int]],
+    data: Dataset,
+    *,
+    corruptions: str | Sequence[str] | None = None,
+    severities: Sequence[int] = SEVERITIES,
+    device: torch.device | str = "cpu",
+    transform: Transform | None = None,
+    batch_size: int = 256,
+    bins: int = 15,
+    seed: int = 0,
+    min_size: int = 32,
+    progress: bool | None = None,
+) -> list[dict[str, object]]:
+    """:func:`evaluate_corruptions` for several models on the same corrupted images.
+
+    Each test batch is corrupted once and given to every model (corrupting costs more than a
+    small model's forward pass). Each model draws its posterior noise from its own stream, so
+    its numbers are the ones :func:`evaluate_corruptions` gives it alone.
+
+    Args:
+        models: ``(model, samples)`` pairs; ``samples`` is M for a converted model.
+        data, corruptions, severities, device, transform, batch_size, bins, seed, min_size,
+            progress: as for :func:`evaluate_corruptions`.
+
+    Returns:
+        One :func:`evaluate_corruptions` result per model, in order.
+
+    Example:
+        >>> rank1, det = compare_corruptions([(model, 1), (baseline, 1)], bundle.test, corruptions="fog")
+    """
     from tqdm.auto import tqdm
 
     names = parse_corruptions(corruptions)
+    severities = parse_severities(severities)
     device = torch.device(device)
-    k = num_components(model)
     loader = _loader(data, batch_size)
-    results: dict[str, dict[int, dict[str, float]]] = {name: {} for name in names}
+    for model, _ in models:
+        model.eval()
+    results: list[dict[str, dict[int, dict[str, float]]]] = [{name: {} for name in names} for _ in models]
     jobs = [(name, severity) for name in names for severity in severities]
     bar = tqdm(jobs, desc="corruptions", disable=None if progress is None else not progress, leave=False)
     for name, severity in bar:
         bar.set_postfix_str(f"{name} {severity}")
-
-        def corrupt(x: Tensor, index: int, name: str = name, severity: int = severity) -> Tensor:
-            return corrupt_images(
-                x, name, severity, seed=corruption_seed(seed, name, severity, index), min_size=min_size
+        # every model draws the noise it would draw alone: seed 0 for each set, then the loader's
+        # iterator (a DataLoader takes its base seed from the generator), then its forward passes
+        start = _RandomStream.seeded(0, device)
+        with start.drawing():
+            batches = iter(loader)
+        streams = [start.copy() for _ in models]
+        outputs: list[list[Tensor]] = [[] for _ in models]
+        labels = []
+        for index, (x, y) in enumerate(batches):
+            x = corrupt_images(x, name, severity, seed=corruption_seed(seed, name, severity, index), min_size=min_size)
+            x = _prepare(x, device, transform)
+            for (model, samples), stream, out in zip(models, streams, outputs):
+                with stream.drawing():
+                    out.append(_member_log_probs(model, x, samples))
+            labels.append(y.cpu())
+        if not labels:
+            raise ValueError("the test set is empty: nothing to evaluate.")
+        targets = torch.cat(labels).long()
+        for (model, _), out, result in zip(models, outputs, results):
+            metrics = compute_metrics(
+                torch.cat(out, 1), targets, components=num_components(model), bins=bins, members=False
             )
+            result[name][severity] = {key: float(metrics[key]) for key in _CORRUPTION_METRICS}
+    return [_summarise(result, names, severities) for result in results]
 
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(0)
-            log_probs, labels = predict_members(
-                model, loader, samples=samples, device=device, transform=transform, corrupt=corrupt
-            )
-        metrics = compute_metrics(log_probs, labels, components=k, bins=bins, members=False)
-        results[name][severity] = {key: float(metrics[key]) for key in ("nll", "accuracy", "ece")}
 
+_CORRUPTION_METRICS = ("nll", "accuracy", "ece")
+
+
+def _summarise(
+    results: dict[str, dict[int, dict[str, float]]], names: Sequence[str], severities: Sequence[int]
+) -> dict[str, object]:
     def mean(rows: list[dict[str, float]]) -> dict[str, float]:
-        return {key: sum(r[key] for r in rows) / len(rows) for key in ("nll", "accuracy", "ece")}
+        return {key: sum(r[key] for r in rows) / len(rows) for key in _CORRUPTION_METRICS}
 
     by_severity = {s: mean([results[n][s] for n in names]) for s in severities}
     overall = mean([results[n][s] for n in names for s in severities])

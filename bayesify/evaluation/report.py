@@ -1,19 +1,34 @@
-"""The evaluation report: a markdown table, a reliability diagram and corruption curves (PNG).
+"""The evaluation report: a markdown page, a reliability diagram and corruption curves (PNG).
 
 Plots use matplotlib's Agg backend (no display needed) and are written next to the report.
+When a baseline run (e.g. the deterministic network) is given, it is drawn beside the model
+(reliability) or on the same axes (corruptions), so the two read at a glance.
+
+References:
+    Guo et al., "On Calibration of Modern Neural Networks", ICML 2017 (reliability diagrams, ECE).
+    Dusenberry et al., ICML 2020, Sec. 5 (cNLL, cA and cECE on CIFAR-10-C / ImageNet-C).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from bayesify.evaluation.metrics import expected_calibration_error
+
 __all__ = ["markdown_report", "reliability_diagram", "severity_plot", "write_json"]
+
+# colour-blind-safe pairs (Okabe & Ito): the model, the baseline; over- and under-confidence
+_MODEL, _BASELINE = "#0072B2", "#E69F00"
+_OVER, _UNDER = "#D55E00", "#009E73"
+_METRICS = ("nll", "accuracy", "ece")
+_NAMES = {"nll": "NLL", "accuracy": "accuracy", "ece": "ECE"}
 
 
 def _pyplot() -> Any:
@@ -25,58 +40,199 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(fig: Any, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    _pyplot().close(fig)
+    return path
+
+
+# ---- reliability diagram ----------------------------------------------------------------------
+
+
+def _bins(probs: Tensor, labels: Tensor, bins: int) -> tuple[list[float], list[float], list[int]]:
+    # per equal-width bin (lo, hi] of top-1 confidence: accuracy, mean confidence, count
+    conf, pred = probs.double().max(-1)
+    correct = (pred == labels).double()
+    index = (torch.ceil(conf * bins).long() - 1).clamp(0, bins - 1)
+    counts = torch.bincount(index, minlength=bins)
+    hits = torch.bincount(index, weights=correct, minlength=bins)
+    confidence = torch.bincount(index, weights=conf, minlength=bins)
+    safe = counts.clamp(min=1)
+    return (hits / safe).tolist(), (confidence / safe).tolist(), counts.tolist()
+
+
 def reliability_diagram(
-    probs: Tensor, labels: Tensor, path: str | os.PathLike, *, bins: int = 15, title: str = ""
+    probs: Tensor,
+    labels: Tensor,
+    path: str | os.PathLike,
+    *,
+    bins: int = 15,
+    title: str = "",
+    label: str = "",
+    baseline: tuple[Tensor, Tensor] | None = None,
+    baseline_label: str = "baseline",
 ) -> Path:
-    """Accuracy vs confidence in ``bins`` equal-width bins, with the gap to the diagonal; saved as PNG."""
+    """Accuracy against confidence in ``bins`` equal-width bins, ECE printed; saved as PNG.
+
+    Each bin shows its accuracy (bar) and the gap to its mean confidence: red where the model is
+    overconfident (confidence above accuracy), green where it is underconfident. Under it, how
+    many test examples fall in each bin. The ECE, NLL and accuracy of the predictions are printed
+    on the panel (ECE with the same 15-bin estimator as the report).
+
+    Args:
+        probs: ``[N, C]`` predictive probabilities (the mixture's, for a rank-1 model).
+        labels: ``[N]`` integer labels.
+        path: the PNG to write.
+        bins: confidence bins (paper: 15).
+        title: the figure's title.
+        label: the model's name on its panel.
+        baseline: ``(probs, labels)`` of a baseline model, drawn in a panel to the left.
+        baseline_label: the baseline's name on its panel.
+
+    Example:
+        >>> reliability_diagram(probs, labels, "reliability.png", label="rank-1 K=4")
+
+    References:
+        Guo et al., ICML 2017, Sec. 2 (reliability diagrams and ECE).
+    """
     plt = _pyplot()
-    conf, pred = probs.float().max(-1)
-    correct = (pred == labels).float()
-    edges = torch.linspace(0, 1, bins + 1)
-    centers = (edges[:-1] + edges[1:]) / 2
-    accs, confs, counts = [], [], []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        inside = (conf > lo) & (conf <= hi)
-        counts.append(int(inside.sum()))
-        accs.append(float(correct[inside].mean()) if inside.any() else 0.0)
-        confs.append(float(conf[inside].mean()) if inside.any() else 0.0)
+    panels = [(baseline_label, *baseline)] if baseline is not None else []
+    panels.append((label or "model", probs, labels))
+    fig, axes = plt.subplots(
+        2, len(panels), figsize=(4.6 * len(panels), 6.0), squeeze=False, sharex=True,
+        gridspec_kw={"height_ratios": [3.2, 1], "hspace": 0.08, "wspace": 0.1},
+    )  # fmt: skip
+    for column, (name, p, y) in enumerate(panels):
+        _reliability_panel(axes[0, column], axes[1, column], p, y, bins, name, show_ylabel=column == 0)
+    handles, names = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper center", ncol=2, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.95))
+    fig.suptitle(title or "reliability diagram", fontsize=11, y=0.995)
+    fig.subplots_adjust(top=0.8)
+    return _save(fig, path)
+
+
+def _reliability_panel(
+    ax: Any, hist: Any, probs: Tensor, labels: Tensor, bins: int, name: str, *, show_ylabel: bool
+) -> None:
+    accs, confs, counts = _bins(probs, labels, bins)
     width = 1.0 / bins
-    fig, (ax, hist) = plt.subplots(2, 1, figsize=(4.5, 5.5), gridspec_kw={"height_ratios": [3, 1]}, sharex=True)
-    ax.bar(centers, accs, width=width, edgecolor="black", color="tab:blue", label="accuracy")
-    gaps = [c - a if n else 0.0 for a, c, n in zip(accs, confs, counts)]
-    ax.bar(centers, gaps, bottom=accs, width=width, edgecolor="tab:red", color="tab:red", alpha=0.3, label="gap")
-    ax.plot([0, 1], [0, 1], "k--", linewidth=1)
-    ax.set_ylabel("accuracy")
+    centers = [(b + 0.5) * width for b in range(bins)]
+    filled = [b for b in range(bins) if counts[b]]
+
+    # the blue bar stops where accuracy and confidence agree; the coloured part above it is the gap:
+    # red up to the confidence where the model claims more than it delivers, green up to the accuracy
+    # where it delivers more than it claims
+    ax.bar([centers[b] for b in filled], [min(accs[b], confs[b]) for b in filled], width=width, color=_MODEL,
+           alpha=0.85, edgecolor="white", linewidth=0.6, label="accuracy", zorder=2)  # fmt: skip
+    for over, color, text in ((True, _OVER, "gap: overconfident (confidence > accuracy)"),
+                              (False, _UNDER, "gap: underconfident (accuracy > confidence)")):  # fmt: skip
+        chosen = [b for b in filled if (confs[b] > accs[b]) == over and confs[b] != accs[b]]
+        ax.bar(
+            [centers[b] for b in chosen], [abs(confs[b] - accs[b]) for b in chosen],
+            bottom=[min(accs[b], confs[b]) for b in chosen], width=width, color=color, alpha=0.45 if over else 0.7,
+            edgecolor=color, linewidth=1.0, hatch="///" if over else None, label=text, zorder=3,
+        )  # fmt: skip
+    ax.plot([0, 1], [0, 1], linestyle="--", color="0.3", linewidth=1, label="perfect calibration", zorder=4)
+    ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
-    ax.set_title(title or "reliability diagram")
-    ax.legend(loc="upper left")
-    hist.bar(centers, counts, width=width, edgecolor="black", color="gray")
-    hist.set_xlabel("confidence")
-    hist.set_ylabel("count")
+    ax.grid(alpha=0.25, zorder=0)
+
+    probs64 = probs.double()
+    picked = probs64.gather(-1, labels.long().view(-1, 1)).squeeze(-1)
+    ece = float(expected_calibration_error(probs.float(), labels.long(), bins))
+    nll = float(-picked.log().mean())
+    accuracy = float((probs64.argmax(-1) == labels).double().mean())
+    ax.set_title(f"{name}\nECE {ece:.4f}   NLL {nll:.4f}   accuracy {accuracy:.4f}", fontsize=9.5)
+    if show_ylabel:
+        ax.set_ylabel("accuracy")
+    else:
+        ax.tick_params(labelleft=False)
+
+    hist.bar(centers, counts, width=width, color="0.55", edgecolor="white", linewidth=0.6)
+    top = max(counts) or 1
+    for b in filled:
+        hist.text(centers[b], counts[b] + 0.03 * top, str(counts[b]), ha="center", va="bottom", fontsize=6.5)
+    hist.set_ylim(0, top * 1.35)
     hist.set_xlim(0, 1)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    hist.set_xlabel("confidence (top-1 probability)")
+    hist.grid(axis="y", alpha=0.25)
+    hist.text(0.02, 0.9, f"examples per bin ({len(labels)} in all)", transform=hist.transAxes, fontsize=7, va="top")
+    if show_ylabel:
+        hist.set_ylabel("examples")
+    else:
+        hist.tick_params(labelleft=False)
 
 
-def severity_plot(by_severity: Mapping[int, Mapping[str, float]], path: str | os.PathLike, *, title: str = "") -> Path:
-    """NLL, accuracy and ECE averaged over corruption types, against severity; saved as PNG."""
+# ---- corruption severity curves ---------------------------------------------------------------
+
+
+def severity_plot(
+    by_severity: Mapping[Any, Mapping[str, float]],
+    path: str | os.PathLike,
+    *,
+    title: str = "",
+    clean: Mapping[str, float] | None = None,
+    label: str = "",
+    baseline: Mapping[Any, Mapping[str, float]] | None = None,
+    baseline_clean: Mapping[str, float] | None = None,
+    baseline_label: str = "baseline",
+) -> Path:
+    """Accuracy, NLL and ECE against corruption severity, one panel each; saved as PNG.
+
+    Severity 0 is the clean test set when ``clean`` is given. A baseline is drawn on the same
+    axes. The axes are fixed where the metric allows (accuracy 0 to 1; NLL and ECE from 0), so a
+    small change looks small.
+
+    Args:
+        by_severity: ``{severity: {"nll", "accuracy", "ece"}}``, each the mean over corruption
+            types (``evaluate_corruptions(...)["by_severity"]``; keys may be strings, from JSON).
+        path: the PNG to write.
+        title: the figure's title.
+        clean: the metrics on the clean test set (plotted at severity 0).
+        label: the model's name in the legend.
+        baseline, baseline_clean, baseline_label: the same for a baseline model.
+
+    Example:
+        >>> severity_plot(rank1["by_severity"], "corruptions.png", clean=clean, label="rank-1 K=4",
+        ...               baseline=det["by_severity"], baseline_clean=det_clean, baseline_label="deterministic")
+    """
     plt = _pyplot()
-    severities = sorted(int(s) for s in by_severity)
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
-    for ax, key in zip(axes, ("nll", "accuracy", "ece")):
-        ax.plot(severities, [by_severity[s][key] for s in severities], "o-")
-        ax.set_xlabel("severity")
-        ax.set_title(key)
+    curves = []
+    if baseline is not None:
+        curves.append((baseline_label, _curve(baseline, baseline_clean), _BASELINE, "s", "--"))
+    curves.append((label or "model", _curve(by_severity, clean), _MODEL, "o", "-"))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, key in zip(axes, ("accuracy", "nll", "ece")):
+        peak = 0.0
+        for name, points, color, marker, style in curves:
+            xs = sorted(points)
+            ys = [points[s][key] for s in xs]
+            peak = max(peak, *(y for y in ys if math.isfinite(y)), 0.0)
+            ax.plot(xs, ys, marker=marker, linestyle=style, color=color, label=name, linewidth=1.8, markersize=5)
+        severities = sorted({s for _, points, *_ in curves for s in points})
         ax.set_xticks(severities)
-    fig.suptitle(title or "corrupted test sets (mean over corruption types)")
+        ax.set_xticklabels(["clean" if s == 0 else str(s) for s in severities])
+        ax.set_xlabel("corruption severity")
+        ax.set_title(_NAMES[key] + (" (higher is better)" if key == "accuracy" else " (lower is better)"), fontsize=10)
+        ax.set_ylim(0, 1.0 if key == "accuracy" else max(peak * 1.15, 1e-3))
+        ax.grid(alpha=0.25)
+    axes[0].legend(loc="lower left", fontsize=8)
+    fig.suptitle(title or "corrupted test sets (mean over corruption types)", fontsize=11)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
+
+
+def _curve(
+    by_severity: Mapping[Any, Mapping[str, float]], clean: Mapping[str, Any] | None
+) -> dict[int, Mapping[str, float]]:
+    points: dict[int, Mapping[str, float]] = {int(s): m for s, m in by_severity.items()}
+    if clean is not None:
+        points[0] = {key: float(clean[key]) for key in _METRICS}
+    return points
+
+
+# ---- markdown ---------------------------------------------------------------------------------
 
 
 def _fmt(value: object) -> str:
@@ -85,63 +241,188 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
+def _option(value: object) -> str:
+    # a configuration value as a reader would type it
+    if value is None:
+        return "-"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_option(v) for v in value) if value else "-"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in rows]
+    return lines + [""]
+
+
+# a regression's headline (bayesify.evaluation.regression): the point error, the predictive's NLL and calibration
+_REGRESSION = (("rmse", "RMSE"), ("mae", "MAE"), ("nll", "NLL"), ("calibration_error", "calibration error"),
+               ("sharpness", "sharpness"))  # fmt: skip
+
+
+def _is_regression(metrics: Mapping[str, Any]) -> bool:
+    return "rmse" in metrics and "accuracy" not in metrics
+
+
+def _headline(metrics: Mapping[str, Any], corrupted: Mapping[str, Any] | None, binary: bool) -> list[object]:
+    if _is_regression(metrics):
+        coverage = metrics.get("coverage") or {}
+        return [metrics.get(key) if metrics.get(key) is not None else "-" for key, _ in _REGRESSION] + [
+            coverage.get(0.9, coverage.get("0.9", "-"))
+        ]
+    row = [metrics["nll"], metrics["accuracy"], metrics["ece"], metrics["brier"]]
+    if binary:
+        row += [metrics.get("auc_pr", "-"), metrics.get("auc_roc", "-")]
+    if corrupted is not None:
+        row += [corrupted["mean"][key] for key in _METRICS]
+    return row
+
+
+def _mean_over_severities(per: Mapping[Any, Mapping[str, float]]) -> dict[str, float]:
+    rows = list(per.values())
+    return {key: sum(r[key] for r in rows) / len(rows) for key in _METRICS}
+
+
 def markdown_report(
     clean: Mapping[str, Any],
     corrupted: Mapping[str, Any] | None = None,
     *,
     title: str = "",
     images: Mapping[str, str] | None = None,
+    config: Mapping[str, Any] | None = None,
+    settings: Mapping[str, Any] | None = None,
+    label: str = "",
+    baseline: Mapping[str, Any] | None = None,
 ) -> str:
-    """The evaluation as markdown: headline table, per-member table, corruption tables."""
+    """The evaluation as markdown: headline table, members, corruptions, plots, configuration.
+
+    Args:
+        clean: :func:`~bayesify.evaluation.metrics.compute_metrics` on the clean test set
+            (with ``components`` and ``samples``).
+        corrupted: :func:`~bayesify.evaluation.evaluate_corruptions`'s result, or None.
+        title: the page's title.
+        images: ``{caption: file}`` of plots to show.
+        config: the run's training configuration (the checkpoint's ``config``), as a table.
+        settings: how the evaluation ran (samples, batch size, corruptions ...), as a table.
+        label: the model's name in tables that compare it with the baseline.
+        baseline: ``{"label", "clean", "corrupted", "config"?}`` of a baseline run, shown beside
+            the model in every table.
+
+    Example:
+        >>> text = markdown_report(clean, corrupted, title="resnet18 on digits", config=config.to_dict())
+    """
+    label = label or "model"
+    rows = [(label, clean, corrupted)]
+    if baseline is not None:
+        rows.insert(0, (baseline["label"], baseline["clean"], baseline.get("corrupted")))
+    binary = any("auc_pr" in metrics for _, metrics, _ in rows)
+    has_corruptions = corrupted is not None
+
     lines = [f"# {title or 'bayesify evaluation'}", ""]
-    head = ["NLL", "accuracy", "ECE", "Brier"]
-    row = [clean["nll"], clean["accuracy"], clean["ece"], clean["brier"]]
-    if "auc_pr" in clean:
-        head += ["AUC-PR", "AUC-ROC"]
-        row += [clean["auc_pr"], clean["auc_roc"]]
+    if _is_regression(clean):
+        head = [name for _, name in _REGRESSION] + ["90% interval coverage"]
+    else:
+        head = ["NLL", "accuracy", "ECE", "Brier"] + (["AUC-PR", "AUC-ROC"] if binary else [])
+    head += ["cNLL", "cA", "cECE"] if has_corruptions else []
+    members = f"K = {clean.get('components', 1)} components x M = {clean.get('samples', 1)} samples per component"
+    lines.append(f"{label}: {members}" if baseline is not None else members)
+    lines.append("")
+    if baseline is None:
+        lines += _table(head, [_headline(clean, corrupted, binary)])
+    else:
+        lines += _table(["model", *head], [[name, *_headline(m, c, binary)] for name, m, c in rows])
+    if _is_regression(clean):
+        lines.append(
+            "Lower is better for RMSE, MAE, NLL and the calibration error (|expected - observed| interval coverage, "
+            "averaged over levels 5%..95%); sharpness is the mean predictive std; a calibrated 90% interval covers 0.9."
+        )
+    else:
+        lines.append(
+            "Lower is better for NLL, ECE, Brier" + (", cNLL and cECE" if has_corruptions else "")
+            + "; higher for accuracy" + (" and cA" if has_corruptions else "") + "."
+        )  # fmt: skip
+    lines.append("")
+    if clean.get("ood"):
+        lines += ["## Out-of-distribution detection", ""]
+        lines.append(
+            "How well each uncertainty score tells the OOD set from the test set (higher score = more OOD): AUROC and "
+            "AUPR (OOD as positive) higher is better, FPR@95 (false positives at 95% of OOD detected) lower."
+        )
+        lines.append("")
+        ood_rows = []
+        for name, metrics, _ in rows:
+            for score, values in (metrics.get("ood") or {}).items():
+                ood_rows.append([name, score, values["auroc"], values["aupr_out"], values["fpr95"]])
+        lines += _table(["model", "score", "AUROC", "AUPR", "FPR@95"], ood_rows)
     if corrupted is not None:
-        head += ["cNLL", "cA", "cECE"]
-        mean = corrupted["mean"]
-        row += [mean["nll"], mean["accuracy"], mean["ece"]]
-    lines += [
-        f"K = {clean.get('components', 1)} components x M = {clean.get('samples', 1)} samples per component",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-        "| " + " | ".join(_fmt(v) for v in row) + " |",
-        "",
-    ]
-    members = clean.get("members")
-    if members:
-        lines += ["## Members", "", "| component | NLL | accuracy |", "|---|---|---|"]
-        lines += [f"| {k} | {m['nll']:.4f} | {m['accuracy']:.4f} |" for k, m in enumerate(members)]
+        types, severities = len(corrupted["results"]), len(corrupted["by_severity"])
+        sets = f"{types} corruption types x {severities} severities ({types * severities} corrupted test sets)"
+        lines += [
+            f"- **cNLL**: the NLL averaged over the {sets}.",
+            f"- **cA**: the accuracy averaged over the same {types * severities} corrupted test sets.",
+            f"- **cECE**: the ECE (15 bins) averaged over the same {types * severities} corrupted test sets.",
+            "",
+        ]
+
+    if clean.get("members"):
+        lines += ["## Members", ""]
+        lines += _table(
+            ["component", "NLL", "accuracy"], [[k, m["nll"], m["accuracy"]] for k, m in enumerate(clean["members"])]
+        )
         d = clean["diversity"]
         lines += [
-            "",
-            f"Diversity: disagreement {d['disagreement']:.4f}, normalised by (1 - accuracy) "
-            f"{d['normalized_disagreement']:.4f}, mean pairwise KL {d['kl']:.4f}",
+            (
+                f"Diversity: disagreement {d['disagreement']:.4f}, normalised by (1 - accuracy) "
+                f"{d['normalized_disagreement']:.4f}, mean pairwise KL {d['kl']:.4f}"
+            ),
             "",
         ]
+
     if corrupted is not None:
-        lines += ["## Corruptions", "", "Mean over corruption types, by severity:", ""]
-        lines += ["| severity | NLL | accuracy | ECE |", "|---|---|---|---|"]
-        for s, m in sorted(corrupted["by_severity"].items(), key=lambda kv: int(kv[0])):
-            lines.append(f"| {s} | {m['nll']:.4f} | {m['accuracy']:.4f} | {m['ece']:.4f} |")
-        lines += [
-            "",
-            "Mean over severities, by corruption:",
-            "",
-            "| corruption | NLL | accuracy | ECE |",
-            "|---|---|---|---|",
-        ]
-        for name, per in corrupted["results"].items():
-            rows = list(per.values())
-            avg = {k: sum(r[k] for r in rows) / len(rows) for k in ("nll", "accuracy", "ece")}
-            lines.append(f"| {name} | {avg['nll']:.4f} | {avg['accuracy']:.4f} | {avg['ece']:.4f} |")
-        lines.append("")
+        lines += _corruption_tables(rows if baseline is not None and baseline.get("corrupted") else rows[-1:])
+
     for caption, file in (images or {}).items():
         lines += [f"![{caption}]({file})", ""]
+
+    if config is not None:
+        lines += ["## Configuration", ""]
+        if baseline is not None and baseline.get("config") is not None:
+            other = baseline["config"]
+            keys = list(config) + [k for k in other if k not in config]
+            lines += _table(
+                ["option", baseline["label"], label],
+                [[k, _option(other.get(k)), _option(config.get(k))] for k in keys],
+            )
+        else:
+            lines += _table(["option", "value"], [[k, _option(v)] for k, v in config.items()])
+    if settings is not None:
+        lines += ["## Evaluation settings", ""]
+        lines += _table(["setting", "value"], [[k, _option(v)] for k, v in settings.items()])
     return "\n".join(lines)
+
+
+def _corruption_tables(rows: Sequence[tuple[str, Mapping[str, Any], Mapping[str, Any] | None]]) -> list[str]:
+    # one column per (metric, model); severity 0 is the clean test set
+    names = [name for name, _, _ in rows]
+    compare = len(rows) > 1
+    head = [f"{_NAMES[key]} {name}" if compare else _NAMES[key] for key in _METRICS for name in names]
+    lines = ["## Corruptions", "", "Mean over corruption types, by severity (0: the clean test set):", ""]
+    table = [[0, *[clean[key] for key in _METRICS for _, clean, _ in rows]]]
+    first = rows[-1][2]
+    assert first is not None
+    for severity in sorted(first["by_severity"], key=int):
+        table.append([severity, *[c["by_severity"][severity][key] for key in _METRICS for _, _, c in rows]])
+    lines += _table(["severity", *head], table)
+    lines += ["Mean over severities, by corruption:", ""]
+    table = []
+    for corruption in first["results"]:
+        means = [_mean_over_severities(c["results"][corruption]) for _, _, c in rows]
+        table.append([corruption, *[m[key] for key in _METRICS for m in means]])
+    lines += _table(["corruption", *head], table)
+    return lines
 
 
 def write_json(data: Mapping[str, Any], path: str | os.PathLike) -> Path:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from bayesify.evaluation.corruptions import CORRUPTIONS, corrupt_images, parse_corruptions
+from bayesify.evaluation.corruptions import CORRUPTIONS, corrupt_images, parse_corruptions, parse_severities
 
 
 def test_the_fifteen_benchmark_corruptions():
@@ -49,3 +49,16 @@ def test_bad_names_severities_and_shapes_name_the_fix():
         corrupt_images(torch.rand(1, 2, 8, 8), "fog", 1)
     assert parse_corruptions("fog, frost") == ("fog", "frost")
     assert parse_corruptions(None) == CORRUPTIONS == parse_corruptions("all")
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_every_corrupted_set_is_fixed_by_its_seed(corruption):
+    x = torch.rand(4, 1, 8, 8)
+    assert torch.equal(corrupt_images(x, corruption, 4, seed=9), corrupt_images(x, corruption, 4, seed=9))
+
+
+def test_severities_are_one_to_five():
+    assert parse_severities((5, 1)) == (5, 1)
+    for bad in ((), (0,), (6,), (True,)):
+        with pytest.raises(ValueError, match="one or more integers from 1 to 5"):
+            parse_severities(bad)

@@ -7,6 +7,7 @@ from torch import nn
 import bayesify
 from bayesify.zoo.data import InMemoryDataset
 from bayesify.evaluation import (
+    compare_corruptions,
     evaluate,
     evaluate_corruptions,
     markdown_report,
@@ -64,3 +65,41 @@ def test_report_files(tmp_path, images):
     assert severity_plot(by_severity, tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
     text = markdown_report(clean, {"mean": by_severity[2], "by_severity": by_severity, "results": {"fog": by_severity}})
     assert "| NLL | accuracy | ECE | Brier | cNLL | cA | cECE |" in text and "| fog |" in text
+
+
+def _before_the_speed_up(model, data, corruptions, severities, samples, batch_size, min_size, monkeypatch):
+    # the evaluator as it was: corrupt-tta image by image, inside predict_members, seed 0 per set
+    from bayesify.evaluation import _corrupt_batch
+    from bayesify.evaluation.corruptions import corrupt_images, corruption_seed
+    from bayesify.evaluation.metrics import compute_metrics
+
+    monkeypatch.setattr(_corrupt_batch, "fast_corruptions", lambda: {})
+    results = {}
+    for name in corruptions:
+        for severity in severities:
+
+            def corrupt(x, index, name=name, severity=severity):
+                seed = corruption_seed(0, name, severity, index)
+                return corrupt_images(x, name, severity, seed=seed, min_size=min_size)
+
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                loader = torch.utils.data.DataLoader(data, batch_size=batch_size)
+                log_probs, labels = predict_members(model, loader, samples=samples, corrupt=corrupt)
+            metrics = compute_metrics(log_probs, labels, components=bayesify.num_components(model), members=False)
+            results.setdefault(name, {})[severity] = {k: float(metrics[k]) for k in ("nll", "accuracy", "ece")}
+    monkeypatch.undo()
+    return results
+
+
+def test_corrupted_results_are_those_of_the_evaluator_before_the_speed_up(images, monkeypatch):
+    net, plain = _net(), _net(convert=False)
+    names, severities = ("frost", "glass_blur", "zoom_blur", "gaussian_noise"), (1, 5)
+    settings = {"severities": severities, "batch_size": 8, "min_size": 16}
+    before = _before_the_speed_up(net, images, names, severities, 2, 8, 16, monkeypatch)
+    alone = evaluate_corruptions(net, images, corruptions=",".join(names), samples=2, progress=False, **settings)
+    assert alone["results"] == before
+    # several models on the same corrupted batches: each gets the numbers it gets alone
+    plain_alone = evaluate_corruptions(plain, images, corruptions=names, progress=False, **settings)
+    together = compare_corruptions([(net, 2), (plain, 1)], images, corruptions=names, progress=False, **settings)
+    assert together == [alone, plain_alone]

@@ -1,0 +1,93 @@
+"""Evaluating a run directory: the report, its configuration section, plots, a baseline, errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bayesify.data import DataBundle, InMemoryDataset, load_data
+from bayesify.evaluation.run import evaluate_run, load_run
+from bayesify.training import TrainConfig, Trainer, build_model
+
+FAST = {"corruptions": "contrast,frost", "severities": (1, 3), "max_examples": 24, "batch_size": 16, "min_size": 16}
+
+
+def _train(directory, data: DataBundle, **overrides) -> str:
+    config = TrainConfig(
+        model="mlp", data=data.name, epochs=1, max_steps=2, batch_size=32, out=str(directory), progress=False,
+        **overrides,
+    )  # fmt: skip
+    Trainer(config, build_model(config, data), data).run()
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, str]:
+    """A rank-1 run and a deterministic run on digits, and a run on tabular data."""
+    root = tmp_path_factory.mktemp("runs")
+    digits = load_data("digits")
+    small = DataBundle(
+        "digits", InMemoryDataset(digits.train.inputs[:64], digits.train.labels[:64]), digits.test,
+        10, digits.input_shape, digits.kind, digits.mean, digits.std,
+    )  # fmt: skip
+    return {
+        "rank1": _train(root / "rank1", small, components=2, eval_samples=2),
+        "det": _train(root / "det", small, components=0),
+        "tabular": _train(root / "tabular", load_data("breast-cancer")),
+    }
+
+
+def test_a_run_is_evaluated_into_a_report_with_its_configuration(runs):
+    results = evaluate_run(runs["rank1"], **FAST)
+    files = results["files"]
+    assert set(files) == {"report", "evaluation", "reliability", "corruptions"}
+    report = Path(files["report"]).read_text()
+    assert report.startswith("# mlp on digits, rank-1 K=2 (step 2)")
+    assert "## Configuration" in report and "| components | 2 |" in report and "| route | sample |" in report
+    assert "- **cNLL**: the NLL averaged over the 2 corruption types x 2 severities" in report
+    saved = json.loads(Path(files["evaluation"]).read_text())
+    assert saved["config"]["components"] == 2 and saved["clean"]["samples"] == 2
+    assert saved["settings"]["test_examples"] == 24 and saved["baseline"] is None
+    assert set(saved["corrupted"]["results"]) == {"contrast", "frost"}
+    for key in ("reliability", "corruptions"):
+        assert Path(files[key]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_baseline_is_evaluated_alike_and_drawn_beside_the_run(runs):
+    together = evaluate_run(runs["rank1"], baseline=runs["det"], **FAST)
+    alone = evaluate_run(runs["det"], **FAST)
+    baseline = together["baseline"]
+    assert baseline["label"] == "deterministic (det)" and baseline["config"]["components"] == 0
+    assert baseline["clean"] == alone["clean"] and baseline["corrupted"] == alone["corrupted"]
+    report = Path(together["files"]["report"]).read_text()
+    assert "| deterministic (det) |" in report and "| rank-1 K=2 (rank1) |" in report
+    assert "| option | deterministic (det) | rank-1 K=2 (rank1) |" in report
+    for key in ("reliability", "corruptions"):
+        assert Path(together["files"][key]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_same_checkpoint_gives_the_same_numbers(runs):
+    first = evaluate_run(runs["rank1"], max_examples=24)
+    second = evaluate_run(runs["rank1"], max_examples=24)
+    assert first["clean"] == second["clean"] and first["corrupted"] is None
+
+
+def test_load_run_rebuilds_the_trained_model(runs):
+    run = load_run(runs["rank1"], device="cpu")
+    assert run.step == 2 and run.kind == "rank-1 K=2" and not run.model.training
+    saved = torch.load(f"{runs['rank1']}/checkpoint.pt", weights_only=True)["model"]
+    assert all(torch.equal(saved[k], v) for k, v in run.model.state_dict().items())
+
+
+def test_bad_requests_name_the_fix(runs, tmp_path):
+    with pytest.raises(ValueError, match="--corruptions applies to image data; breast-cancer is tabular"):
+        evaluate_run(runs["tabular"], corruptions="fog")
+    with pytest.raises(ValueError, match="a baseline must be evaluated on the same test set"):
+        evaluate_run(runs["rank1"], baseline=runs["tabular"], max_examples=8)
+    with pytest.raises(ValueError, match="samples=0 must be a positive integer"):
+        evaluate_run(runs["rank1"], samples=0)
+    with pytest.raises(ValueError, match=r"severities=\[7\]: pass one or more integers from 1 to 5"):
+        evaluate_run(runs["rank1"], corruptions="fog", severities=(7,))
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        evaluate_run(tmp_path / "missing")
