@@ -364,7 +364,8 @@ def _key(path: tuple) -> Any:
 
 
 def _is_example_list(value: object) -> bool:
-    return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(v, Tensor) for v in value)
+    # a plain list (or tuple) of tensors, one per example; not a PackedSequence or another named tuple
+    return type(value) in (list, tuple) and len(value) > 0 and all(isinstance(v, Tensor) for v in value)
 
 
 def _huggingface_loss(model: nn.Module, logits: Tensor | None, labels: Tensor | None) -> Tensor | None:

@@ -91,7 +91,8 @@ class Task:
         raise NotImplementedError
 
     def log_likelihood(self, output: Tensor, target: Tensor) -> Tensor:
-        """``log p(target | output)`` per row (``[N]``; dense outputs averaged over their other axes)."""
+        """``log p(target | output)`` per row (``[N]``; dense outputs averaged over their other axes), in float32
+        (the training loss; a reduced-precision output is widened)."""
         raise NotImplementedError(
             f"task {self} has no likelihood to train with; use 'classification', 'binary', 'multilabel', "
             "'regression' or 'gaussian', or train with your own loss."
@@ -142,7 +143,7 @@ class Classification(Task):
 
     def log_likelihood(self, output: Tensor, target: Tensor) -> Tensor:
         axis = self.axis(output)
-        ll = -F.cross_entropy(_wide(output).movedim(axis, 1), target.long(), reduction="none")
+        ll = -F.cross_entropy(output.float().movedim(axis, 1), target.long(), reduction="none")
         return _per_row(ll)
 
     def __str__(self) -> str:
@@ -171,7 +172,7 @@ class Binary(Task):
         return (logmeanexp(F.logsigmoid(m), 0) - logmeanexp(F.logsigmoid(-m), 0)).to(members.dtype)
 
     def log_likelihood(self, output: Tensor, target: Tensor) -> Tensor:
-        z = _wide(output)
+        z = output.float()
         if z.dim() == target.dim() + 1 and z.shape[-1] == 1:  # [N, 1] logits for [N] labels
             z = z.squeeze(-1)
         return _per_row(-F.binary_cross_entropy_with_logits(z, target.to(z.dtype), reduction="none"))
@@ -196,7 +197,7 @@ class Regression(Task):
 
     def log_likelihood(self, output: Tensor, target: Tensor) -> Tensor:
         """A unit-variance Gaussian: ``-(y - f(x))^2 / 2 - log(2 pi) / 2`` (training on it is training on MSE / 2)."""
-        diff = _wide(output) - target.to(_wide(output).dtype).reshape(output.shape)
+        diff = output.float() - target.float().reshape(output.shape)
         return _per_row(-0.5 * diff.square() - 0.5 * math.log(2 * math.pi))
 
 
@@ -239,7 +240,7 @@ class Gaussian(Task):
         return torch.cat([mean, param], dim=self.axis).to(members.dtype)
 
     def log_likelihood(self, output: Tensor, target: Tensor) -> Tensor:
-        mean, variance = gaussian_head(_wide(output), variance=self.variance, axis=self.axis)
+        mean, variance = gaussian_head(output.float(), variance=self.variance, axis=self.axis)
         variance = variance.clamp_min(1e-12)
         diff = mean - target.to(mean.dtype).reshape(mean.shape)
         return _per_row(-0.5 * (torch.log(2 * math.pi * variance) + diff.square() / variance))
@@ -354,6 +355,19 @@ def _class_named(module_name: str, *names: str) -> tuple[type, ...]:
     return tuple(c for c in (getattr(module, n, None) for n in names) if isinstance(c, type))
 
 
+# torch modules whose outputs are features or states, never logits: their mixture is the members' mean
+_FEATURE_MODULES = (
+    nn.RNNBase,
+    nn.RNNCellBase,
+    nn.MultiheadAttention,
+    nn.TransformerEncoderLayer,
+    nn.TransformerDecoderLayer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoder,
+    nn.Transformer,
+)
+
+
 def infer_task(model: nn.Module) -> Task | None:
     """The task a model states about its own output, or None when it states nothing.
 
@@ -363,6 +377,8 @@ def infer_task(model: nn.Module) -> Task | None:
     * torchvision detection (Faster / Mask / Keypoint R-CNN, RetinaNet, FCOS, SSD): :class:`Members`
       (boxes of different members cannot be averaged; see :func:`bayesify.detection.fuse_detections`).
     * a timm model with ``num_classes > 0`` or a torchvision classifier: :class:`Classification` (-1).
+    * a torch recurrent, attention or transformer module used as the model: :class:`Regression` (its
+      outputs are features and states; the mixture is their mean).
     """
     hf = _huggingface_task(model)
     if hf is not None:
@@ -380,6 +396,8 @@ def infer_task(model: nn.Module) -> Task | None:
     )
     if detection and isinstance(model, detection):
         return Members()
+    if isinstance(model, _FEATURE_MODULES):
+        return Regression()  # a recurrent / attention / transformer module used as the model: its features, averaged
     if _defined_in(model, "timm.models") and isinstance(getattr(model, "num_classes", None), int):
         return Classification(-1) if model.num_classes > 0 else None
     if _defined_in(model, "torchvision.models") and not _defined_in(

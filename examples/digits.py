@@ -68,7 +68,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     deterministic = make_net()
     rank1 = copy.deepcopy(deterministic)  # same starting weights for both
-    bayesify.convert(rank1, components=args.components, init="normal", init_mean_std=0.1, prior_std=0.05)
+    bayesify.convert(rank1, components=args.components, init="normal", init_mean_std=0.1, prior_std=0.05, task="classification")
     print(bayesify.summary(rank1, bundle.test.inputs[:2]))
     print()
 
@@ -83,7 +83,7 @@ def main() -> None:
             start = time.perf_counter()
             Trainer(config, net, bundle).run()
             seconds[name] = time.perf_counter() - start
-            results[name] = evaluate(net, bundle.test, samples=args.samples, transform=bundle.normalize)
+            results[name] = evaluate(net, bundle.test, samples=args.samples, transform=bundle.normalize, task="classification")
 
     print(f"sklearn digits, {len(bundle.train)} train / {len(bundle.test)} test, {args.epochs} epochs, "
           f"K={args.components} components x M={args.samples} samples")  # fmt: skip

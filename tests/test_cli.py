@@ -138,5 +138,5 @@ def test_evaluate_with_a_baseline_draws_both_runs(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| deterministic (det) |" in printed and "| rank-1 K=2 (run) |" in printed
     report = json.loads((tmp_path / "run" / "evaluation.json").read_text())
-    assert report["baseline"]["config"]["components"] == 0 and report["config"]["components"] == 2
+    assert report["baseline"]["config"]["deterministic"] is True and report["config"]["components"] == 2
     assert (tmp_path / "run" / "corruptions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

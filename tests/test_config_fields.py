@@ -18,7 +18,7 @@ from bayesify.zoo.data import load_data
 FIELDS = dataclasses.fields(Rank1Config)
 HINTS = typing.get_type_hints(Rank1Config)
 # where the first other value would be invalid on its own (a Cauchy posterior needs a Cauchy prior)
-SPECIAL = {"posterior": "delta"}
+SPECIAL = {"posterior": "delta", "task": "multilabel"}
 
 
 def _other_value(f: dataclasses.Field) -> object:
@@ -32,7 +32,7 @@ def _other_value(f: dataclasses.Field) -> object:
     if base is bool:
         return not f.default
     if base is int:
-        return f.default + 1
+        return 1 if f.default is None else f.default + 1
     if f.default is None:
         return 0.01
     return f.default / 2 if f.default else 0.05

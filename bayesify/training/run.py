@@ -19,7 +19,7 @@ from torch import nn
 import bayesify
 from bayesify.training.checkpoint import load_checkpoint
 from bayesify.training.config import TrainConfig
-from bayesify.tasks import Task, TaskName, parse_task
+from bayesify.tasks import Task, TaskName
 from bayesify.training.recipes import apply_preset
 from bayesify.zoo.data import DataBundle, load_data
 from bayesify.zoo.models import create_model
@@ -44,26 +44,29 @@ REPORT = "report.md"
 EVALUATION = "evaluation.json"
 
 
+def _task_option(config: TrainConfig, bundle: DataBundle) -> TaskName | Task:
+    # config.task, or with "auto" the data's own task (a name, as the config holds it)
+    return TaskName.parse(bundle.task, "task") if config.task == TaskName.AUTO else config.task
+
+
 def run_task(config: TrainConfig, bundle: DataBundle) -> Task:
     """What the run's model outputs: ``config.task``, or with ``"auto"`` the data's own task."""
-    name = bundle.task if config.task == TaskName.AUTO else config.task
-    return parse_task(name, class_axis=config.class_axis, gaussian_variance=config.gaussian_variance)
+    return config.rank1.replace(task=_task_option(config, bundle)).resolved_task()
 
 
 def build_model(config: TrainConfig, bundle: DataBundle) -> nn.Module:
     """``create_model`` for the data and the task, converted with ``config``'s options unless ``deterministic``; seeded."""
     torch.manual_seed(config.seed)
-    task = run_task(config, bundle)
     model = create_model(
         config.model,
         in_channels=bundle.in_channels,
-        num_classes=bundle.outputs(task),
+        num_classes=bundle.outputs(run_task(config, bundle)),
         input_shape=bundle.input_shape,
         kind=bundle.kind,
         pretrained=config.pretrained,
     )
     if not config.deterministic:
-        bayesify.convert(model, config.rank1.replace(task=task))
+        bayesify.convert(model, config.rank1.replace(task=_task_option(config, bundle)))
     return model
 
 

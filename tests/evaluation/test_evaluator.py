@@ -19,7 +19,7 @@ from bayesify.evaluation import (
 
 def _net(convert: bool = True) -> nn.Module:
     net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 3))
-    return bayesify.convert(net, components=2) if convert else net
+    return bayesify.convert(net, components=2, task="classification") if convert else net
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_members_are_k_times_m_component_major(images):
 def test_evaluate_converted_and_plain_models(images):
     converted = evaluate(_net(), images, samples=2, batch_size=7)
     assert converted["components"] == 2 and converted["samples"] == 2 and len(converted["members"]) == 2
-    plain = evaluate(_net(convert=False), images)
+    plain = evaluate(_net(convert=False), images, task="classification")
     assert plain["components"] == 1 and "members" not in plain
     # evaluation does not disturb the caller's random stream
     net = _net()

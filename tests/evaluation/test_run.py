@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bayesify.data import DataBundle, InMemoryDataset, load_data
-from bayesify.evaluation.run import evaluate_run, load_run
+from bayesify.zoo.data import DataBundle, InMemoryDataset, load_data
+from bayesify.evaluation.run import evaluate_run, open_run
 from bayesify.training import TrainConfig, Trainer, build_model
 
 FAST = {"corruptions": "contrast,frost", "severities": (1, 3), "max_examples": 24, "batch_size": 16, "min_size": 16}
@@ -33,7 +33,7 @@ def runs(tmp_path_factory) -> dict[str, str]:
     )  # fmt: skip
     return {
         "rank1": _train(root / "rank1", small, components=2, eval_samples=2),
-        "det": _train(root / "det", small, components=0),
+        "det": _train(root / "det", small, deterministic=True),
         "tabular": _train(root / "tabular", load_data("breast-cancer")),
     }
 
@@ -58,7 +58,7 @@ def test_a_baseline_is_evaluated_alike_and_drawn_beside_the_run(runs):
     together = evaluate_run(runs["rank1"], baseline=runs["det"], **FAST)
     alone = evaluate_run(runs["det"], **FAST)
     baseline = together["baseline"]
-    assert baseline["label"] == "deterministic (det)" and baseline["config"]["components"] == 0
+    assert baseline["label"] == "deterministic (det)" and baseline["config"]["deterministic"] is True
     assert baseline["clean"] == alone["clean"] and baseline["corrupted"] == alone["corrupted"]
     report = Path(together["files"]["report"]).read_text()
     assert "| deterministic (det) |" in report and "| rank-1 K=2 (rank1) |" in report
@@ -73,8 +73,8 @@ def test_the_same_checkpoint_gives_the_same_numbers(runs):
     assert first["clean"] == second["clean"] and first["corrupted"] is None
 
 
-def test_load_run_rebuilds_the_trained_model(runs):
-    run = load_run(runs["rank1"], device="cpu")
+def test_open_run_rebuilds_the_trained_model(runs):
+    run = open_run(runs["rank1"], device="cpu")
     assert run.step == 2 and run.kind == "rank-1 K=2" and not run.model.training
     saved = torch.load(f"{runs['rank1']}/checkpoint.pt", weights_only=True)["model"]
     assert all(torch.equal(saved[k], v) for k, v in run.model.state_dict().items())

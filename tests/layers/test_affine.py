@@ -133,7 +133,7 @@ def test_sample_route_uses_one_component_per_example(posterior: str, prior: str)
 
 def test_noise_is_per_example_and_fresh() -> None:
     layer = nn.Linear(5, 5)
-    bayesify.convert(layer, components=1, init_std=0.2)
+    bayesify.convert(layer, components=1, init_std=0.2, sampling="example")  # the reference's noise per example
     x = torch.ones(1, 5).expand(8, 5)
     with bayesify.mode(layer, route="sample"):
         a, b = layer(x), layer(x)

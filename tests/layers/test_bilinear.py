@@ -45,7 +45,7 @@ def test_bilinear_matches_member_loop(bias: bool, shape: tuple[int, ...], pertur
 
 def test_bilinear_gradients_and_shapes() -> None:
     reference = nn.Bilinear(3, 4, 2)
-    layer = bayesify.convert(nn.Bilinear(3, 4, 2), components=K)
+    layer = bayesify.convert(nn.Bilinear(3, 4, 2), components=K, task="regression")
     x1, x2 = torch.randn(6, 3), torch.randn(6, 4)
     for train in (True, False):
         assert layer.train(train)(x1, x2).shape == reference(x1, x2).shape

@@ -98,7 +98,7 @@ def test_kl_is_the_normal_closed_form() -> None:
 def test_eval_mixture_and_revert() -> None:
     model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 3))
     before = set(model.state_dict())
-    bayesify.convert(model, embeddings=True, components=2)
+    bayesify.convert(model, embeddings=True, components=2, task="classification")
     x = torch.randint(0, 10, (5, 3))
     assert model.eval()(x).shape == (5, 3)
     assert "0.rank1_rho" in model.state_dict()
