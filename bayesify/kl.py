@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from bayesify.inspection import rank1_layers
 from bayesify.variational.kl import total_kl
 
-__all__ = ["kl_divergence"]
+__all__ = ["kl_divergence", "kl_loss"]
 
 
 def kl_divergence(model: nn.Module) -> Tensor:
@@ -39,3 +39,33 @@ def kl_divergence(model: nn.Module) -> Tensor:
         first = next((p for layer in layers for p in layer.rank1_parameters()), None)
         return torch.zeros(()) if first is None else first.new_zeros(())
     return total
+
+
+def kl_loss(model: nn.Module, num_train: int, *, step: int | None = None, warmup_steps: int = 0) -> Tensor:
+    """The KL term of one training step, for any training loop: ``w * kl_divergence(model) / num_train``.
+
+    ``w = min(1, (step + 1) / warmup_steps)`` rises linearly from ~0 to 1 over the first
+    ``warmup_steps`` optimizer steps (the paper anneals over 2/3 of training), then stays 1; without
+    ``step`` (or with ``warmup_steps=0``) it is 1. Dividing by the number of training examples makes
+    it the per-example KL of the ELBO, on the scale of a mean cross-entropy.
+
+    Args:
+        model: a converted model (or a wrapper of one, such as DDP).
+        num_train: N, the number of training examples.
+        step: the optimizer step about to be taken (0-based), for the warm-up.
+        warmup_steps: steps over which the weight rises to 1.
+
+    Example:
+        >>> for step, (x, y) in enumerate(loader):
+        ...     loss = F.cross_entropy(model(x), y) + bayesify.kl_loss(model, len(train_set), step=step,
+        ...                                                            warmup_steps=total_steps * 2 // 3)
+
+    References:
+        Dusenberry et al., ICML 2020, Eq. 3 (the ELBO) and Sec. 5 (KL annealing).
+    """
+    if isinstance(num_train, bool) or not isinstance(num_train, int) or num_train < 1:
+        raise ValueError(f"num_train={num_train!r} must be the number of training examples (an int >= 1).")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r} must be >= 0 (0: no warm-up).")
+    weight = 1.0 if step is None or warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+    return kl_divergence(model) * (weight / num_train)

@@ -109,8 +109,8 @@ class Rank1Affine(Rank1Layer):
         additive = self.rank1_config.perturbation is Perturbation.ADDITIVE
         if fold is not None and not additive and batch_axis is not None and self._rank1_folds(draw, x, fold.weight):
             offset = None if self.rank1_bias is None else draw.gather_blocks(self.rank1_bias)
-            if bias is not None:
-                offset = bias.unsqueeze(0) if offset is None else offset + bias
+            if bias is not None:  # one row per block (a bias given by the caller, e.g. SwinV2's q/k/v biases)
+                offset = bias.expand(len(draw.blocks), -1) if offset is None else offset + bias
             s, r = draw.sample_blocks(self.rank1_s, self.rank1_r)
             return rank1_folded(
                 x, draw.blocks, fold.weight, fold.apply, s, r, offset, batch_axis=batch_axis, groups=fold.groups,

@@ -94,6 +94,40 @@ def test_huggingface_conv1d_and_intercepted_weights_fold() -> None:
     _check(folded, reference, torch.randn(6, 5, dtype=DT), "tile")
 
 
+def test_a_bias_given_by_the_caller_of_an_intercepted_weight_folds() -> None:
+    class SwinLike(nn.Module):  # timm's SwinV2: F.linear(x, qkv.weight, bias=cat(q_bias, k_bias, v_bias))
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(5, 6, bias=False)
+            self.q_bias = nn.Parameter(torch.randn(6))
+
+        def forward(self, x):
+            return F.linear(x, weight=self.qkv.weight, bias=self.q_bias).tanh()
+
+    folded, reference = _pair(SwinLike())
+    _check(folded, reference, torch.randn(6, 5, dtype=DT), "tile")
+
+
+@pytest.mark.parametrize("posterior,prior", [("normal", "normal"), ("cauchy", "cauchy"), ("delta", "normal")])
+@pytest.mark.parametrize("perturbation", ["multiplicative", "additive"])
+def test_every_posterior_and_perturbation_agrees_with_the_reference_path(
+    posterior: str, prior: str, perturbation: str
+) -> None:
+    """Additive perturbations are not weights: they keep the per-row path, which must hold too."""
+    module = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.ConvTranspose2d(4, 2, 2, stride=2), nn.Flatten(),
+                           nn.Linear(2 * 8 * 8, 3))  # fmt: skip
+    torch.manual_seed(0)
+    folded = bayesify.convert(
+        copy.deepcopy(module).to(DT), components=K, sampling="component", task="regression",
+        posterior=posterior, prior=prior, perturbation=perturbation,
+    )  # fmt: skip
+    _randomise(folded)
+    reference = copy.deepcopy(folded)
+    for _, layer in bayesify.rank1_layers(reference):
+        layer.rank1_state.config = layer.rank1_config.replace(sampling="example")
+    _check(folded, reference, torch.randn(4, 3, 4, 4, dtype=DT), "tile")
+
+
 def test_the_fold_is_w_times_r_s_transposed_for_groups() -> None:
     weight = torch.randn(6, 2, 3, dtype=DT)  # 6 outputs, 3 groups of 2 inputs
     r, s = torch.randn(6, dtype=DT), torch.randn(6, dtype=DT)
