@@ -88,7 +88,9 @@ def kl_term(model: nn.Module, step: int, total_steps: int, train_size: int) -> T
 # ----------------------------------------------------------------------------------------------------
 
 
-def train(model: nn.Module, x: Tensor, y: Tensor, *, epochs: int, batch: int, lr: float, max_steps: int | None) -> float:
+def train(
+    model: nn.Module, x: Tensor, y: Tensor, *, epochs: int, batch: int, lr: float, max_steps: int | None
+) -> float:
     """The same loop for both nets; the converted one adds the KL term. Returns the seconds it took."""
     torch.manual_seed(0)  # the same batches for both nets
     total = epochs * math.ceil(len(x) / batch)
@@ -127,7 +129,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="posterior samples per component at evaluation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--smoke", action="store_true", help="3 steps, hidden 16, 200 test sequences: checks that it runs")
+    parser.add_argument("--smoke", action="store_true", help="3 steps, hidden 16, 200 test sequences: checks it runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.smoke:
@@ -149,7 +151,7 @@ def main() -> None:
             net, x_train, y_train, epochs=args.epochs, batch=args.batch, lr=args.lr, max_steps=3 if args.smoke else None
         )
         metrics = evaluate(net, TensorDataset(x_test, y_test), task="binary", samples=args.samples)
-        rows[name] = (metrics["nll"], metrics["auc_pr"], metrics["auc_roc"], metrics["ece"], metrics["accuracy"], seconds)
+        rows[name] = (*(metrics[k] for k in ("nll", "auc_pr", "auc_roc", "ece", "accuracy")), seconds)
 
     length = "3 steps" if args.smoke else f"{args.epochs} epochs"
     print(

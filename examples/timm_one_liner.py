@@ -2,7 +2,7 @@
 
     python examples/timm_one_liner.py                    # resnet10t, 4 epochs: about a minute on a 2-core CPU
     python examples/timm_one_liner.py --model resnet18   # any timm classifier
-    python examples/timm_one_liner.py --smoke            # a few seconds (what tests/test_example_timm_one_liner.py runs)
+    python examples/timm_one_liner.py --smoke            # a few seconds (tests/test_example_timm_one_liner.py)
 
 The data are scikit-learn's 8x8 handwritten digits (no download), upsampled to 16x16. The same
 timm network (``num_classes=10, in_chans=1``) is trained twice from the same initialisation by the
@@ -68,7 +68,9 @@ def kl_term(model: nn.Module, step: int, total_steps: int, train_size: int) -> T
 # ----------------------------------------------------------------------------------------------------
 
 
-def train(model: nn.Module, x: Tensor, y: Tensor, *, epochs: int, batch: int, lr: float, max_steps: int | None) -> float:
+def train(
+    model: nn.Module, x: Tensor, y: Tensor, *, epochs: int, batch: int, lr: float, max_steps: int | None
+) -> float:
     """A plain loop (AdamW, one-cycle schedule); the converted net adds the KL term. Returns seconds."""
     torch.manual_seed(0)  # the same batches for both nets
     total = epochs * math.ceil(len(x) / batch)
@@ -146,7 +148,8 @@ def main() -> None:
 
     length = "3 steps" if args.smoke else f"{args.epochs} epochs"
     print(
-        f"{args.model} on sklearn digits ({len(x_train)} train / {len(x_test)} test, {args.size}x{args.size}), {length}, "
+        f"{args.model} on sklearn digits ({len(x_train)} train / {len(x_test)} test, {args.size}x{args.size}), "
+        f"{length}, "
         f"K={args.components} components x {args.samples} samples; predictive entropy H and mutual information MI "
         "(nats) on the test digits and on uniform noise; seconds of training"
     )

@@ -67,7 +67,8 @@ def counting_sequences(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 def arguments(tmp_path: Path, **overrides: object) -> TrainingArguments:
     settings = dict(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", per_device_train_batch_size=8,
-        per_device_eval_batch_size=8, learning_rate=1e-2, num_train_epochs=1, logging_steps=1, disable_tqdm=True, seed=0,
+        per_device_eval_batch_size=8, learning_rate=1e-2, num_train_epochs=1, logging_steps=1, disable_tqdm=True,
+        seed=0,
     )  # fmt: skip
     settings.update(overrides)
     return TrainingArguments(**settings)
