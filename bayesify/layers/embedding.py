@@ -75,6 +75,11 @@ class GaussianEmbedding(ConvertedLayer):
             weight, rho = weight[keep], rho[keep]
         yield KLTerm(Posterior.NORMAL, Prior.NORMAL, 0.0, self.rank1_config.embedding_prior_std, weight, rho)
 
+    def rank1_merge(self, component: int) -> dict[str, Tensor]:
+        """Nothing changes: the posterior mean of every vector is the original weight (one Gaussian,
+        shared by all components)."""
+        return {}
+
     def forward(self, input: Tensor, *args: object, **kwargs: object) -> Tensor:
         base = type(self).__rank1_base__
         if not self.rank1_state.router.noise:

@@ -96,13 +96,14 @@ def fold_weight(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, transp
     """``W o (r s^T)``: ``r`` scales the output channels, ``s`` the input channels.
 
     Args:
-        weight: ``[out, in / groups, *kernel]`` (torch's Linear / Conv layout), or ``[in, out]`` with
-            ``transposed`` (Hugging Face ``Conv1D``).
+        weight: ``[out, in / groups, *kernel]`` (torch's Linear / Conv layout), or with ``transposed``
+            ``[in, out / groups, *kernel]`` (torch's ConvTranspose layout; Hugging Face ``Conv1D``'s
+            ``[in, out]`` is its case without groups or kernel).
         r: ``[out]``; s: ``[in]`` (a grouped convolution's weight holds group ``g``'s inputs in the rows
-            of group ``g``'s outputs).
+            of group ``g``'s outputs, and a grouped transposed one the reverse).
     """
-    if transposed:
-        return weight * s[:, None] * r[None, :]
+    if transposed:  # the same maths with the roles of the two leading axes swapped
+        return fold_weight(weight, s, r, groups=groups)
     out, per_group = weight.shape[0], weight.shape[1]
     if groups > 1:
         s = s.view(groups, 1, per_group).expand(groups, out // groups, per_group).reshape(out, per_group)
