@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from bayesify.config import Rank1Config
 from bayesify.layers._intercept import split_call
@@ -188,7 +189,10 @@ class Rank1Affine(Rank1Layer):
         sampling = self.rank1_config.sampling
         if draw.blocks is None or sampling is Sampling.EXAMPLE:
             return False
-        return sampling is Sampling.COMPONENT or len(draw.blocks) * weight.numel() <= x.numel()
+        # a symbolic batch (torch.export, torch.compile with dynamic shapes): never guard on the batch
+        # size for this choice of speed (both paths compute the same function); fold only when it is
+        # known for every batch, so an exported graph holds one path for all batch sizes
+        return sampling is Sampling.COMPONENT or statically_known_true(len(draw.blocks) * weight.numel() <= x.numel())
 
     def _rank1_groups(self) -> int:
         return getattr(self, "groups", 1)
