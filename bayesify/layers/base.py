@@ -129,7 +129,7 @@ class Draw:
 
 def _spread(per_block: Tensor, blocks: tuple[Block, ...]) -> Tensor:
     """``[blocks, F]`` -> ``[rows, F]``: each block's value on each of its rows."""
-    sizes = [b - a for _, a, b in blocks]
+    sizes = [b - a for a, b in blocks]
     if len(set(sizes)) == 1:
         return per_block[:, None].expand(len(blocks), sizes[0], per_block.shape[-1]).reshape(-1, per_block.shape[-1])
     return torch.cat([v.expand(n, -1) for v, n in zip(per_block[:, None], sizes)])

@@ -115,7 +115,7 @@ def fold_weight(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, transp
 
 def rank1_folded(
     x: Tensor,
-    blocks: tuple[tuple[int, int, int], ...],
+    blocks: tuple[tuple[int, int], ...],
     weight: Tensor,
     apply: Callable[[Tensor, Tensor, Tensor | None], Tensor],
     s: Tensor,
@@ -130,7 +130,7 @@ def rank1_folded(
 
     Args:
         x: the input, batch at ``batch_axis``.
-        blocks: ``(component, start, stop)`` runs covering the rows in order.
+        blocks: ``(start, stop)`` runs covering the rows in order, one component each.
         weight: the layer's weight (see :func:`fold_weight`).
         apply: ``apply(x_block, weight, bias)``: the layer's map (``F.linear``, a convolution, ...).
         s, r: ``[len(blocks), in]`` and ``[len(blocks), out]``: one sample per block.
@@ -140,7 +140,7 @@ def rank1_folded(
     is not ``x * W + const``), so it takes :func:`rank1_affine`.
     """
     outputs = []
-    for i, (_, start, stop) in enumerate(blocks):
+    for i, (start, stop) in enumerate(blocks):
         w = fold_weight(weight, r[i], s[i], groups=groups, transposed=transposed)
         part = x.narrow(batch_axis, start, stop - start)
         outputs.append(apply(part, w, None if offset is None else offset[i]))
