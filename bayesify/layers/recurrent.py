@@ -435,8 +435,8 @@ class Rank1RNNCell(_Rank1Recurrent):
         x = input if batched else input.unsqueeze(0)
         batch = x.shape[0]
         if hx is None:
-            zeros = x.new_zeros(batch, self.hidden_size)
-            states = [zeros, zeros] if lstm else [zeros]
+            # two tensors, not one twice (an input given twice to the scan is a torch.compile graph break)
+            states = [x.new_zeros(batch, self.hidden_size) for _ in range(2 if lstm else 1)]
         else:
             states = list(hx) if lstm else [hx]
             for i, s in enumerate(states):
