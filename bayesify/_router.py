@@ -97,6 +97,13 @@ class Router:
     active: bool = False  # inside the root's forward
     handles: list[RemovableHandle] = field(default_factory=list)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the forward pass in flight is not state to copy or save: after torch.export or torch.compile
+        # it holds the tracer's fake tensors, which cannot be copied (copy.deepcopy, bayesify.merge)
+        state = dict(self.__dict__)
+        state["state"], state["active"] = None, False
+        return state
+
     @property
     def components(self) -> int:
         return self.config.components

@@ -70,6 +70,7 @@ def test_no_graph_breaks_from_bayesify(name: str, training: bool) -> None:
     assert breaks == plain_breaks, f"graph breaks from bayesify: {breaks}"
     # the random order of the components in training is a tensor: no recompilation from one step to the next
     assert graphs[0] == graphs[-1]
+    copy.deepcopy(model)  # nothing of the traced forward passes is left in the model's state
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -12,6 +12,7 @@ slices of a symbolic size.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 from pathlib import Path
 
@@ -78,6 +79,17 @@ def assert_exports(model: nn.Module, shape: tuple[int, ...], path: Path, *, onnx
 def test_export_mlp_classifier(tmp_path: Path) -> None:
     model = converted(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)))
     assert_exports(model, (6,), tmp_path / "mlp.onnx", onnx_from_model=True)
+
+
+def test_a_failed_export_leaves_the_model_usable() -> None:
+    # an example batch of 1 makes torch.export specialise the batch; the traced forward pass must leave
+    # no fake tensors behind: the model still runs, copies and merges
+    model = converted(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)))
+    with bayesify.mode(model, noise=False), pytest.raises(Exception, match=r"Constraints violated \(batch\)"):
+        torch.export.export(model, (torch.randn(1, 6),), dynamic_shapes=({0: Dim("batch")},))
+    x = torch.randn(3, 6)
+    torch.testing.assert_close(_eager(copy.deepcopy(model), x), _eager(model, x))
+    torch.testing.assert_close(bayesify.merge(model, component=1)(x), _eager(model, x, component=1))
 
 
 def test_export_small_cnn(tmp_path: Path) -> None:
