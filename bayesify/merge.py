@@ -94,8 +94,8 @@ def merge(model: nn.Module, component: int) -> nn.Module:
                     others = [n for n in names[id(param)] if n != full]
                     warnings.warn(
                         f"bayesify.merge: {full} was shared with {', '.join(others)}; the merged model holds its own "
-                        f"copy with component {component} folded in, so they are no longer tied (tying them again, e.g. "
-                        "tie_weights() when a Hugging Face model is saved and reloaded, would undo the merge).",
+                        f"copy with component {component} folded in, so they are no longer tied (tying them again, "
+                        "e.g. tie_weights() when a Hugging Face model is saved and reloaded, would undo the merge).",
                         stacklevel=2,
                     )
                     owner._parameters[attr] = nn.Parameter(value.to(param.dtype).clone(), param.requires_grad)

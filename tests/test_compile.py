@@ -52,7 +52,9 @@ def _cnn() -> nn.Module:
 
 def _vit() -> nn.Module:
     timm = pytest.importorskip("timm")
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, num_classes=5)
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, num_classes=5
+    )
 
 
 MODELS = {"cnn": (_cnn, (8, 3, 8, 8)), "vit": (_vit, (4, 3, 32, 32))}

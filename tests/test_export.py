@@ -63,7 +63,9 @@ def assert_exports(model: nn.Module, shape: tuple[int, ...], path: Path, *, onnx
                     dynamic_shapes=(batch,),
                 )  # fmt: skip
             else:
-                torch.onnx.export(program, (example,), path, dynamo=True, input_names=["input"], output_names=["output"])
+                torch.onnx.export(
+                    program, (example,), path, dynamo=True, input_names=["input"], output_names=["output"]
+                )
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     assert isinstance(session.get_inputs()[0].shape[0], str), "the ONNX graph keeps a symbolic batch"
     for b in BATCHES:

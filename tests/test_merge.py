@@ -104,7 +104,8 @@ def test_merge_affine(name: str) -> None:
 def test_merge_affine_folded_and_per_example_sampling_alike() -> None:
     # the member does not depend on how the rows run (folded blocks or per example)
     for sampling in ("component", "example"):
-        original, converted = _convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(36, 2)), sampling=sampling)
+        net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(36, 2))
+        original, converted = _convert(net, sampling=sampling)
         _assert_members(original, converted, _x(4, 3, 5, 5))
 
 
@@ -143,7 +144,10 @@ def test_merge_transformer_encoder_layer() -> None:
 
 
 RECURRENT = {
-    "lstm-2-layers-bidirectional": (lambda: nn.LSTM(5, 6, num_layers=2, bidirectional=True, batch_first=True), (4, 7, 5)),
+    "lstm-2-layers-bidirectional": (
+        lambda: nn.LSTM(5, 6, num_layers=2, bidirectional=True, batch_first=True),
+        (4, 7, 5),
+    ),
     "lstm-proj": (lambda: nn.LSTM(5, 6, proj_size=3), (7, 4, 5)),
     "gru-2-layers-bidirectional": (lambda: nn.GRU(5, 6, num_layers=2, bidirectional=True), (7, 4, 5)),
     "gru-no-bias": (lambda: nn.GRU(5, 6, bias=False, batch_first=True), (4, 7, 5)),
@@ -274,7 +278,8 @@ class _Rank1Dense(bayesify.Rank1Layer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         draw = self.rank1_draw(x.shape[0], x.device)
-        return bayesify.layers.rank1_affine(x, lambda v: v @ self.weight, draw.sample(self.rank1_s), draw.sample(self.rank1_r))
+        s, r = draw.sample(self.rank1_s), draw.sample(self.rank1_r)
+        return bayesify.layers.rank1_affine(x, lambda v: v @ self.weight, s, r)
 
 
 def test_merge_names_a_family_without_rank1_merge() -> None:

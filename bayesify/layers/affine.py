@@ -80,7 +80,9 @@ class Rank1Affine(Rank1Layer):
         """
         base = type(self).__rank1_base__
         if "weight" not in self._parameters:
-            raise ValueError(f"{base.__name__}'s weight is computed (a parametrization): there is no raw weight to fold into")
+            raise ValueError(
+                f"{base.__name__}'s weight is computed (a parametrization): there is no raw weight to fold into"
+            )
         if base.forward not in self.rank1_merge_forwards:
             raise ValueError(
                 f"{base.__name__} has a forward of its own ({base.__module__}.{base.__qualname__}.forward), which may "

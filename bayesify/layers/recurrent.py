@@ -105,7 +105,9 @@ class _Rank1Recurrent(Rank1Layer):
                     "and the projection has no bias to hold it"
                 )
             if b_ih is None or b_hh is None:
-                raise ValueError(f"the additive perturbation shifts the gates of {name}, which has no biases (bias=False) to hold it")
+                raise ValueError(
+                    f"the additive perturbation shifts the gates of {name}, which has no biases (bias=False) to hold it"
+                )
             shift_ih = F.linear(at(f"rank1_s_ih{tag}"), params[f"weight_ih{tag}"]) + at(f"rank1_r_ih{tag}")
             shift_hh = F.linear(at(f"rank1_s_hh{tag}"), params[f"weight_hh{tag}"]) + at(f"rank1_r_hh{tag}")
             if gru:
