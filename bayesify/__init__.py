@@ -12,6 +12,7 @@ from bayesify.convert import convert, default_mapping, revert
 from bayesify.inspection import is_converted, num_components, rank1_layers, rank1_parameters
 from bayesify.kl import kl_divergence
 from bayesify.layers import ConvertedLayer, Rank1Layer
+from bayesify.merge import merge
 from bayesify.mode import mode, predict
 from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction, Route
 from bayesify.summary import Summary, summary
@@ -38,6 +39,7 @@ __all__ = [
     "default_mapping",
     "is_converted",
     "kl_divergence",
+    "merge",
     "mode",
     "num_components",
     "predict",

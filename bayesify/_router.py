@@ -25,6 +25,7 @@ its inputs and outputs (:meth:`~bayesify.layers.ConvertedLayer.rank1_input_axes`
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -55,8 +56,12 @@ class RouteSpec:
     component: int | None = None
 
 
-Block = tuple[int, int, int]
-"""``(component, start, stop)``: rows ``start:stop`` of a batch all go through ``component``."""
+Block = tuple[int, int]
+"""``(start, stop)``: rows ``start:stop`` of a batch all go through one component.
+
+Only the boundaries are Python numbers; which component a block goes through is a tensor
+(``block_components``), so that a random order of the components needs no ``.tolist()`` (a graph
+break under ``torch.compile``) and an exported graph keeps it symbolic."""
 
 
 @dataclass
@@ -66,11 +71,11 @@ class ForwardState:
     spec: RouteSpec
     rows: Tensor  # component of every row of the routed batch
     blocks: tuple[Block, ...] | None  # the rows as contiguous runs of one component each (None: no such runs)
+    block_components: Tensor | None  # [len(blocks)] the component of each block, on the rows' device
     batch: int  # examples in the batch as given
     axis: int | None  # batch axis of the inputs (None: one unbatched example)
     members: int  # copies of each example in the routed batch (K * samples when tiled, else 1)
     labels: Tensor | None = None  # a Hugging Face model's `labels` as given (to recompute its loss)
-    block_components: Tensor | None = None  # the component of each block, on the device (made on first use)
 
 
 class Routing(NamedTuple):
@@ -91,6 +96,13 @@ class Router:
     state: ForwardState | None = None
     active: bool = False  # inside the root's forward
     handles: list[RemovableHandle] = field(default_factory=list)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the forward pass in flight is not state to copy or save: after torch.export or torch.compile
+        # it holds the tracer's fake tensors, which cannot be copied (copy.deepcopy, bayesify.merge)
+        state = dict(self.__dict__)
+        state["state"], state["active"] = None, False
+        return state
 
     @property
     def components(self) -> int:
@@ -138,21 +150,18 @@ class Router:
             # called outside the converted root's forward (a submodule used on its own):
             # no shared routing exists, so each row gets its own random component
             return Routing(torch.randint(self.components, (n,), device=device))
-        rows, blocks, total = state.rows, state.blocks, state.rows.shape[0]
-        if blocks is not None and state.block_components is None:  # once per forward, on the rows' device
-            state.block_components = torch.tensor([k for k, _, _ in blocks]).to(rows.device, non_blocking=True)
-        components = state.block_components
+        rows, blocks, components, total = state.rows, state.blocks, state.block_components, state.rows.shape[0]
         if n == total:
             return Routing(rows, blocks, components)
         if n % total == 0:
             # extra axes folded into the batch, batch-major (e.g. windows): repeat each row's component
             factor = n // total
-            scaled = None if blocks is None else tuple((k, a * factor, b * factor) for k, a, b in blocks)
+            scaled = None if blocks is None else tuple((a * factor, b * factor) for a, b in blocks)
             return Routing(rows[:, None].expand(total, factor).reshape(-1), scaled, components)
         # a batch-independent input (e.g. a table fed through an MLP): one component for the whole call
         if blocks is None:
             return Routing(rows[:1].expand(n))
-        return Routing(rows[:1].expand(n), ((blocks[0][0], 0, n),), components[:1])
+        return Routing(rows[:1].expand(n), ((0, n),), components[:1])
 
     # ---- hooks on the root module ------------------------------------------------------------
 
@@ -185,20 +194,21 @@ class Router:
         if spec.route is Route.SAMPLE:
             if self.config.sampling is Sampling.EXAMPLE:  # the reference: a random component per example
                 rows = torch.randint(self.components, (batch,), device=device)
-                self.state = ForwardState(spec, rows, None, batch, axis, 1)
+                self.state = ForwardState(spec, rows, None, None, batch, axis, 1)
             else:
                 self.state = ForwardState(spec, *_balanced_blocks(self.components, batch, device), batch, axis, 1)
             return args, kwargs
         if spec.route is Route.COMPONENT:
             rows = torch.full((batch,), spec.component, dtype=torch.long, device=device)
-            self.state = ForwardState(spec, rows, ((spec.component, 0, batch),), batch, axis, 1)
+            self.state = ForwardState(spec, rows, ((0, batch),), rows[:1], batch, axis, 1)
             return args, kwargs
         # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B); one block per member
         members = self.components * spec.samples
         rows = member_rows(self.components, spec.samples * batch, device)
-        blocks = tuple((i // spec.samples, i * batch, (i + 1) * batch) for i in range(members))
+        blocks = tuple((i * batch, (i + 1) * batch) for i in range(members))
+        components = member_rows(self.components, spec.samples, device)
         labels = kwargs.get("labels") if isinstance(kwargs.get("labels"), Tensor) else None
-        self.state = ForwardState(spec, rows, blocks, batch, axis, members, labels)
+        self.state = ForwardState(spec, rows, blocks, components, batch, axis, members, labels)
 
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
         if axes is None:
@@ -236,7 +246,7 @@ class Router:
         component = spec.component if spec.route is Route.COMPONENT else int(torch.randint(self.components, ()))
         rows = torch.full((batch,), component, dtype=torch.long, device=device)
         self.active = True
-        self.state = ForwardState(spec, rows, ((component, 0, batch),), batch, 0, 1)
+        self.state = ForwardState(spec, rows, ((0, batch),), rows[:1], batch, 0, 1)
         return args, kwargs
 
     def end(self, module: nn.Module, output: object) -> object:
@@ -322,25 +332,24 @@ class Router:
         return tree_unflatten([split_leaf(t, d) for t, d in zip(leaves, axes)], tree)
 
 
-def _balanced_blocks(components: int, batch: int, device: torch.device) -> tuple[Tensor, tuple[Block, ...]]:
-    """The sample route's rows: contiguous, balanced blocks, one per component, in a random order.
+def _balanced_blocks(components: int, batch: int, device: torch.device) -> tuple[Tensor, tuple[Block, ...], Tensor]:
+    """The sample route's ``(rows, blocks, block_components)``: contiguous, balanced blocks, one per
+    component, the components in a random order.
 
     A uniform, stratified assignment (the data is shuffled anyway): every component gets
-    ``batch // K`` or one more rows, and which component takes the first block is random, so an
-    unshuffled batch is no worse off than with one random component per example. The order is drawn
-    on the CPU, so no device sync is needed to know the blocks.
+    ``batch // K`` or one more rows, and which component takes which block is random, so an
+    unshuffled batch is no worse off than with one random component per example. The blocks depend
+    on the batch size alone; the order stays a tensor (no ``.tolist()``: ``torch.compile`` traces it
+    without a graph break). It is drawn on the CPU, and no device sync is needed to know the blocks.
     """
-    order = torch.randperm(components).tolist()
     base, extra = divmod(batch, components)
-    blocks, start = [], 0
-    for i, k in enumerate(order):
-        size = base + (1 if i < extra else 0)
-        if size:
-            blocks.append((k, start, start + size))
-            start += size
-    sizes = torch.tensor([b - a for _, a, b in blocks])
-    rows = torch.repeat_interleave(torch.tensor([k for k, _, _ in blocks]), sizes).to(device, non_blocking=True)
-    return rows, tuple(blocks)
+    sizes = [size for size in [base + 1] * extra + [base] * (components - extra) if size]
+    ends = list(itertools.accumulate(sizes))
+    blocks = tuple((end - size, end) for size, end in zip(sizes, ends))
+    order = torch.randperm(components)[: len(sizes)]
+    # output_size: the length is known, so tracing it is no data-dependent shape
+    rows = order.repeat_interleave(torch.tensor(sizes), output_size=batch)
+    return rows.to(device, non_blocking=True), blocks, order.to(device, non_blocking=True)
 
 
 def member_rows(components: int, rows_each: int, device: torch.device) -> Tensor:

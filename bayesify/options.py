@@ -108,7 +108,9 @@ class Sampling(StrOption):
     AUTO = "auto"
     """Per layer, whichever costs less: layers whose weight is small next to their activations (conv nets,
     large batches) fold one sample per component into their weight and run each component's rows as one
-    block; the others (large weights at small batches) sample per example."""
+    block; the others (large weights at small batches) sample per example. A symbolic batch size
+    (``torch.export`` with a dynamic batch, ``torch.compile(dynamic=True)``) takes the per-example path
+    unless folding pays for every batch size, so that one graph serves them all."""
     EXAMPLE = "example"
     """One sample per example in every layer (the reference); the per-example path everywhere."""
     COMPONENT = "component"

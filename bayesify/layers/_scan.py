@@ -37,9 +37,9 @@ __all__ = ["RecurrentScan", "row_positions"]
 
 def row_positions(batch_sizes: Sequence[int], device: torch.device) -> Tensor:
     """The batch position of every row of a time-major packed layout (``[N]``, long)."""
+    if all(size == batch_sizes[0] for size in batch_sizes):  # python ints: no tensor read (a torch.compile break)
+        return torch.arange(batch_sizes[0], device=device).repeat(len(batch_sizes))
     sizes = torch.as_tensor(list(batch_sizes), dtype=torch.long)
-    if bool((sizes == sizes[0]).all()):
-        return torch.arange(int(sizes[0]), device=device).repeat(len(sizes))
     offsets = torch.cumsum(sizes, 0) - sizes
     total = int(sizes.sum())
     return (torch.arange(total) - offsets.repeat_interleave(sizes)).to(device)
@@ -131,17 +131,18 @@ class RecurrentScan(torch.autograd.Function):
                 gh = a if r_h is None else a * r_h[:size]
                 if b_h is not None:
                     gh = gh + b_h[:size]
-                torch.sigmoid(x[:, : 2 * hidden] + gh[:, : 2 * hidden], out=gate[:, : 2 * hidden])
+                # gate columns are written by assignment, not out= (a strided out= is a torch.compile graph break)
+                rz = torch.sigmoid(x[:, : 2 * hidden] + gh[:, : 2 * hidden])
+                gate[:, : 2 * hidden] = rz
                 gh_n[lo:hi] = gh[:, 2 * hidden :]
-                n = torch.tanh(
-                    torch.addcmul(x[:, 2 * hidden :], gate[:, :hidden], gh[:, 2 * hidden :]), out=gate[:, 2 * hidden :]
-                )
-                h_new = torch.addcmul(n, gate[:, hidden : 2 * hidden], hp - n)
+                n = torch.tanh(torch.addcmul(x[:, 2 * hidden :], rz[:, :hidden], gh[:, 2 * hidden :]))
+                gate[:, 2 * hidden :] = n
+                h_new = torch.addcmul(n, rz[:, hidden:], hp - n)
             else:
                 pre = x + a if r_h is None else torch.addcmul(x, a, r_h[:size])
                 if lstm:
                     torch.sigmoid(pre, out=gate)
-                    torch.tanh(pre[:, 2 * hidden : 3 * hidden], out=gate[:, 2 * hidden : 3 * hidden])
+                    gate[:, 2 * hidden : 3 * hidden] = torch.tanh(pre[:, 2 * hidden : 3 * hidden])  # no strided out=
                     i, f, g, o = gate.chunk(4, 1)
                     cp = c[:size]
                     c_prev[lo:hi] = cp
@@ -193,7 +194,7 @@ class RecurrentScan(torch.autograd.Function):
             # [g i(1-i), c_prev f(1-f), i (1-g^2), tanh(c) o(1-o)], in place: few passes over N x 4H
             scale = torch.mul(act, 1 - act)
             hid = slice(2 * hidden, 3 * hidden)
-            torch.addcmul(torch.ones_like(g), g, g, value=-1, out=scale[:, hid])
+            scale[:, hid] = torch.addcmul(torch.ones_like(g), g, g, value=-1)  # no strided out= (torch.compile)
             for block, factor in enumerate((g, ctx.c_prev, i, tanh_c)):
                 scale[:, block * hidden : (block + 1) * hidden].mul_(factor)
             o_dtanh = torch.addcmul(torch.ones_like(tanh_c), tanh_c, tanh_c, value=-1).mul_(o)

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from bayesify.config import Rank1Config
 from bayesify.layers._intercept import split_call
 from bayesify.layers.base import Draw, Rank1Layer
-from bayesify.layers.rank1_op import rank1_affine, rank1_folded
+from bayesify.layers.rank1_op import fold_weight, rank1_affine, rank1_folded
 from bayesify.options import Perturbation, Sampling
 
 __all__ = ["Fold", "Rank1Affine"]
@@ -56,6 +57,59 @@ class Rank1Affine(Rank1Layer):
 
     def rank1_batch_axis(self, x: Tensor) -> int | None:
         return self.rank1_axes(x)[0]
+
+    def rank1_merged_weight(self, weight: Tensor, r: Tensor, s: Tensor) -> Tensor:
+        """``W o (r s^T)`` in this layer's weight layout (default: torch's ``[out, in / groups, ...]``)."""
+        return fold_weight(weight, r, s, groups=self._rank1_groups())
+
+    def rank1_constant_response(self, weight: Tensor, s: Tensor) -> Tensor:
+        """``core(s)`` per output channel for the input equal to ``s`` everywhere, when that is one
+        constant per output channel (so an additive ``core(x + s) = core(x) + core(s)`` is a bias);
+        else raise ValueError saying why."""
+        raise ValueError(
+            f"an additive perturbation of its input is not a bias of {type(self).__rank1_base__.__name__} "
+            "(not known to be a constant shift of its output)"
+        )
+
+    def rank1_merge(self, component: int) -> dict[str, Tensor]:
+        """``W' = W o (r_k s_k^T)``, ``b' = b + delta_k``; additive: ``b' = b + core(s_k) + r_k + delta_k``.
+
+        Exact only where the layer's map is known to be the plain map of its weight (the torch
+        forwards of :attr:`rank1_merge_forwards`): a subclass's own forward may transform the weight
+        (timm's ``StdConv2d`` standardises it), so its member is not ``W o (r s^T)``.
+        """
+        base = type(self).__rank1_base__
+        if "weight" not in self._parameters:
+            raise ValueError(
+                f"{base.__name__}'s weight is computed (a parametrization): there is no raw weight to fold into"
+            )
+        if base.forward not in self.rank1_merge_forwards:
+            raise ValueError(
+                f"{base.__name__} has a forward of its own ({base.__module__}.{base.__qualname__}.forward), which may "
+                "transform its weight (as weight standardisation does), so W o (r s^T) in its weight is not known to "
+                "be the member; keep the converted model under bayesify.mode(model, component=k, noise=False), or "
+                "convert(..., exclude=...) this layer"
+            )
+        weight, bias = self._parameters["weight"], self._parameters.get("bias")
+        s, r = self.rank1_location("rank1_s", component), self.rank1_location("rank1_r", component)
+        delta = self.rank1_location("rank1_bias", component)
+        if self.rank1_config.perturbation is Perturbation.ADDITIVE:
+            shift = self.rank1_constant_response(weight, s) + r
+            if bias is None:
+                raise ValueError(
+                    f"the additive perturbation shifts the output of {base.__name__} by core(s) + r, and it has no "
+                    "bias (bias=False) to hold the shift"
+                )
+            return {"bias": bias + shift + (0 if delta is None else delta)}
+        merged = {"weight": self.rank1_merged_weight(weight, r, s)}
+        if bias is not None and delta is not None:
+            merged["bias"] = bias + delta
+        return merged
+
+    @property
+    def rank1_merge_forwards(self) -> tuple[Callable, ...]:
+        """The base-class forwards that apply the weight as it is (so a folded weight is the member)."""
+        return self.rank1_known_forwards
 
     def rank1_fold(self) -> Fold | None:
         """How this layer runs with a given weight (for :func:`~bayesify.layers.rank1_op.rank1_folded`),
@@ -148,7 +202,10 @@ class Rank1Affine(Rank1Layer):
             return True
         fan_in, fan_out = self.rank1_features()
         activations = x.numel() + x.numel() // max(fan_in, 1) * fan_out
-        return 8 * len(draw.blocks) * weight.numel() < 3 * activations
+        # a symbolic batch (torch.export, torch.compile with dynamic shapes): never guard on the batch size for
+        # this choice of speed (both paths compute the same function); fold only when it pays for every batch,
+        # so an exported graph holds one path for all batch sizes
+        return statically_known_true(8 * len(draw.blocks) * weight.numel() < 3 * activations)
 
     def _rank1_groups(self) -> int:
         return getattr(self, "groups", 1)

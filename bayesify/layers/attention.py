@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from bayesify.config import Rank1Config
 from bayesify.layers.base import Draw, Rank1Layer
-from bayesify.layers.rank1_op import rank1_affine
+from bayesify.layers.rank1_op import fold_weight, rank1_affine
 from bayesify.options import Perturbation
 
 __all__ = ["Rank1MultiheadAttention"]
@@ -93,6 +94,41 @@ class Rank1MultiheadAttention(Rank1Layer):
         for key in [k for k, hook in self._forward_pre_hooks.items() if hook is _disable_fused_fast_path]:
             del self._forward_pre_hooks[key]
         return super().revert()
+
+    def rank1_merge(self, component: int) -> dict[str, Tensor]:
+        """Each projection's ``W' = W o (r_k s_k^T)``, ``b' = b + delta_k`` (additive: ``b' = b + W s_k + r_k +
+        delta_k``): the q, k, v rows of a fused ``in_proj_weight`` or the separate ``q/k/v_proj_weight``, and
+        ``out_proj``. ``bias_k`` / ``bias_v`` are appended after the projections and stay as they are."""
+        params, at = self._parameters, partial(self.rank1_location, component=component)
+        fused = params.get("in_proj_weight")
+        names = ("in_proj_weight",) * 3 if fused is not None else ("q_proj_weight", "k_proj_weight", "v_proj_weight")
+        weights = fused.chunk(3) if fused is not None else tuple(params[n] for n in names)
+        in_bias, delta_in = params.get("in_proj_bias"), at("rank1_bias_in")
+        out_weight, out_bias = self.out_proj._parameters["weight"], self.out_proj._parameters.get("bias")
+        delta_out = at("rank1_bias_out")
+        merged: dict[str, Tensor] = {}
+        if self.rank1_config.perturbation is Perturbation.ADDITIVE:
+            if in_bias is None or out_bias is None:
+                raise ValueError(
+                    "the additive perturbation shifts each projection by W s + r, and this MultiheadAttention has no "
+                    "biases (bias=False) to hold the shift"
+                )
+            shifts = [F.linear(at(f"rank1_s_{n}"), w) + at(f"rank1_r_{n}") for n, w in zip("qkv", weights)]
+            merged["in_proj_bias"] = in_bias + torch.cat(shifts) + delta_in
+            shift_out = F.linear(at("rank1_s_out"), out_weight) + at("rank1_r_out")
+            merged["out_proj.bias"] = out_bias + shift_out + delta_out
+            return merged
+        folded = [fold_weight(w, at(f"rank1_r_{n}"), at(f"rank1_s_{n}")) for n, w in zip("qkv", weights)]
+        if fused is not None:
+            merged["in_proj_weight"] = torch.cat(folded)
+        else:
+            merged.update(zip(names, folded))
+        merged["out_proj.weight"] = fold_weight(out_weight, at("rank1_r_out"), at("rank1_s_out"))
+        if in_bias is not None:
+            merged["in_proj_bias"] = in_bias + delta_in
+        if out_bias is not None:
+            merged["out_proj.bias"] = out_bias + delta_out
+        return merged
 
     # ---- a MultiheadAttention used as the model: where the batch lies (see _routing.py) --------
 

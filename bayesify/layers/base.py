@@ -21,7 +21,8 @@ example of a user's own layer):
 * optional, with defaults: :meth:`rank1_batch_axis`, :meth:`rank1_input_axes`,
   :meth:`rank1_output_axes` (where the batch lies when the layer is itself the model),
   :meth:`rank1_kl_terms` (default: the factors' KL), :attr:`rank1_intercepted` with
-  :meth:`rank1_functional_handlers` (weights other code uses directly), :meth:`revert`.
+  :meth:`rank1_functional_handlers` (weights other code uses directly), :meth:`revert`,
+  :meth:`rank1_merge` (one member folded into the original parameters, for :func:`bayesify.merge`).
 
 Per-layer state lives in one object, :class:`LayerState` (``layer.rank1_state``).
 """
@@ -135,7 +136,7 @@ class Draw:
 
 def _spread(per_block: Tensor, blocks: tuple[Block, ...]) -> Tensor:
     """``[blocks, F]`` -> ``[rows, F]``: each block's value on each of its rows."""
-    sizes = [b - a for _, a, b in blocks]
+    sizes = [b - a for a, b in blocks]
     if len(set(sizes)) == 1:
         return per_block[:, None].expand(len(blocks), sizes[0], per_block.shape[-1]).reshape(-1, per_block.shape[-1])
     return torch.cat([v.expand(n, -1) for v, n in zip(per_block[:, None], sizes)])
@@ -205,6 +206,28 @@ class ConvertedLayer(nn.Module):
         """``{torch function: handler(args, kwargs)}`` for calls on an intercepted weight (see ``_intercept.py``)."""
         return {}
 
+    def rank1_merge(self, component: int) -> dict[str, Tensor]:
+        """This layer's own parameters with component ``component``'s posterior means folded in.
+
+        What :func:`bayesify.merge` asks every layer. Returns ``{name: value}`` for the original
+        parameters that change (names relative to this layer, as in its ``state_dict``: ``"weight"``,
+        ``"out_proj.bias"``), such that the original module holding these values computes exactly
+        what this layer computes under ``bayesify.mode(model, component=component, noise=False)``.
+        It reads the layer and changes nothing. For the multiplicative perturbation, usually
+        ``W' = W o (r_k s_k^T)`` (:func:`~bayesify.layers.rank1_op.fold_weight`) and ``b' = b + delta_k``.
+
+        Raises:
+            ValueError: the member cannot be held by the original parameters (say why), e.g. an
+                additive perturbation through zero padding, or a weight the module transforms itself.
+            NotImplementedError: the family does not define it (this default).
+        """
+        family = getattr(type(self), "__rank1_wrapper__", type(self)).__name__
+        raise NotImplementedError(
+            f"{family} does not define rank1_merge(component), so bayesify.merge cannot fold its factors into "
+            f"its weights; implement it in {family} (return the original parameters with component k's "
+            "posterior means folded in)."
+        )
+
     # ---- helpers for layer families ------------------------------------------------------------
 
     @property
@@ -267,6 +290,14 @@ class ConvertedLayer(nn.Module):
             offset = self._parameters.get(name)
             if offset is not None:
                 yield offset, [_parameter(self, b) for b in biases]
+
+    def rank1_location(self, name: str, component: int) -> Tensor | None:
+        """Row ``component`` of the factor or per-component table ``name``: the factor's posterior
+        location (what ``noise=False`` uses), or the bias offset; None for an offset set to None."""
+        value = getattr(self, name)
+        if isinstance(value, Rank1Factor):
+            return value.loc[component]
+        return None if value is None else value[component]
 
     def rank1_factors(self) -> Iterator[tuple[str, Rank1Factor]]:
         """The ``(name, factor)`` pairs of this layer."""

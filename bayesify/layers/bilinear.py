@@ -11,6 +11,8 @@ References:
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
@@ -49,6 +51,21 @@ class Rank1Bilinear(Rank1Layer):
         x1 = args[0] if args else kwargs["input1"]
         axis = self.rank1_batch_axis(x1)
         return [0 if axis is None else axis] * len(tree_flatten((args, kwargs))[0])
+
+    def rank1_merge(self, component: int) -> dict[str, Tensor]:
+        """``W' = W o (r_k (x) s1_k (x) s2_k)``, ``b' = b + delta_k``; the additive form is refused."""
+        if self.rank1_config.perturbation is Perturbation.ADDITIVE:
+            raise ValueError(
+                "the additive perturbation (x1 + s1)^T W (x2 + s2) adds terms linear in x1 and in x2, which "
+                "nn.Bilinear's weight and bias cannot hold"
+            )
+        at = partial(self.rank1_location, component=component)
+        r, s1, s2 = at("rank1_r"), at("rank1_s1"), at("rank1_s2")
+        merged = {"weight": self._parameters["weight"] * r[:, None, None] * s1[None, :, None] * s2[None, None, :]}
+        bias = self._parameters.get("bias")
+        if bias is not None:
+            merged["bias"] = bias + at("rank1_bias")
+        return merged
 
     def forward(self, input1: Tensor, input2: Tensor) -> Tensor:
         axis = self.rank1_batch_axis(input1)

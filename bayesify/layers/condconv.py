@@ -12,11 +12,12 @@ References:
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from bayesify.config import Rank1Config
 from bayesify.layers.base import Rank1Layer
-from bayesify.layers.rank1_op import rank1_affine
+from bayesify.layers.rank1_op import fold_weight, rank1_affine
 from bayesify.options import Perturbation
 
 __all__ = ["Rank1CondConv2d"]
@@ -40,6 +41,28 @@ class Rank1CondConv2d(Rank1Layer):
 
     def rank1_batch_axis(self, x: Tensor) -> int | None:
         return 0
+
+    def rank1_merge(self, component: int) -> dict[str, Tensor]:
+        """Every expert kernel ``W_e' = W_e o (r_k s_k^T)``: the mixed kernel is linear in them, so
+        ``W(x)' = W(x) o (r_k s_k^T)`` for every example. A bias offset ``delta_k`` is added once, while
+        the biases are mixed by routing weights that need not sum to one: it merges only when zero."""
+        name = type(self).__rank1_base__.__name__
+        if self.rank1_config.perturbation is Perturbation.ADDITIVE:
+            raise ValueError(
+                f"the additive perturbation of {name} shifts its output by conv(s, W(x)) + r, which depends on each "
+                "example's routing weights and is no parameter of the layer"
+            )
+        delta = self.rank1_location("rank1_bias", component)
+        if delta is not None and bool(delta.any()):
+            raise ValueError(
+                f"component {component}'s bias offset is added once, but {name} mixes its expert biases with routing "
+                "weights that need not sum to one, so no expert bias can hold it"
+            )
+        s, r = self.rank1_location("rank1_s", component), self.rank1_location("rank1_r", component)
+        weight = self._parameters["weight"]  # [experts, out * in / groups * kernel], one flattened kernel per expert
+        experts = weight.view(weight.shape[0], *self.weight_shape)
+        folded = torch.stack([fold_weight(w, r, s, groups=self.groups) for w in experts])
+        return {"weight": folded.view_as(weight)}
 
     def forward(self, x: Tensor, routing_weights: Tensor) -> Tensor:
         draw = self.rank1_draw(x.shape[0], x.device)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bayesify.layers.affine import Fold, Rank1Affine
+from bayesify.layers.rank1_op import fold_weight
 
 __all__ = ["Rank1Conv", "Rank1ConvTranspose"]
 
@@ -39,6 +40,10 @@ class _Rank1ConvBase(Rank1Affine):
     def rank1_functional_handlers(self) -> dict[Callable, Callable]:
         return {f: self._rank1_external(f) for f in self._functions}
 
+    def _rank1_zero_padded(self) -> bool:
+        """Whether the convolution pads with zeros (a constant input is then not constant at the border)."""
+        return self.padding_mode == "zeros" and any(self._reversed_padding_repeated_twice)
+
 
 class Rank1Conv(_Rank1ConvBase):
     """Rank-1 ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` (``padding_mode`` respected)."""
@@ -52,11 +57,31 @@ class Rank1Conv(_Rank1ConvBase):
     def rank1_fold(self) -> Fold:
         return Fold(self._parameters["weight"], self._conv_forward, self.groups)
 
+    def rank1_constant_response(self, weight: Tensor, s: Tensor) -> Tensor:
+        # padding by reflection, replication or wrapping keeps a constant input constant; zeros do not
+        if self._rank1_zero_padded():
+            raise ValueError(
+                f"{type(self).__rank1_base__.__name__} pads with zeros, so an additive perturbation of its input "
+                "is not a constant shift of its output at the border (only unpadded or non-zero padding_mode "
+                "convolutions merge)"
+            )
+        return fold_weight(weight, weight.new_ones(weight.shape[0]), s, groups=self.groups).flatten(1).sum(1)
+
 
 class Rank1ConvTranspose(_Rank1ConvBase):
     """Rank-1 ``nn.ConvTranspose1d`` / ``2d`` / ``3d`` (``output_size`` passes through)."""
 
     _functions = _CONV_TRANSPOSE_FUNCTIONS
     # its forward computes output_padding from output_size: always run it, bias accounted for
+    rank1_merge_forwards = (nn.ConvTranspose1d.forward, nn.ConvTranspose2d.forward, nn.ConvTranspose3d.forward)
+
+    def rank1_merged_weight(self, weight: Tensor, r: Tensor, s: Tensor) -> Tensor:
+        return fold_weight(weight, r, s, groups=self.groups, transposed=True)  # weight [in, out / groups, ...]
+
+    def rank1_constant_response(self, weight: Tensor, s: Tensor) -> Tensor:
+        raise ValueError(
+            f"{type(self).__rank1_base__.__name__} is a transposed convolution: a constant input reaches the output "
+            "border positions through fewer taps, so an additive perturbation is not a constant shift of its output"
+        )
 
 

@@ -8,8 +8,9 @@ by default embeddings stay deterministic.
 
 Sampling: one sample of the embedding table per forward pass, drawn only for the rows the
 batch looks up (edward2's ``EmbeddingReparameterization`` samples the whole table once per
-call: the same distribution of outputs). Every occurrence of a token in the batch sees the same
-vector. The mixture components are not involved (a single Gaussian, shared by all members).
+call: the same distribution of outputs; so does this layer under ``torch.compile``, where the
+data-dependent size of the rows used would break the graph). Every occurrence of a token in the
+batch sees the same vector. The mixture components are not involved (a single Gaussian, shared by all members).
 ``mode(model, noise=False)`` uses the means, i.e. the original embedding.
 
 ``padding_idx`` rows stay deterministic (no noise, no KL, no gradient, as torch's);
@@ -75,10 +76,17 @@ class GaussianEmbedding(ConvertedLayer):
             weight, rho = weight[keep], rho[keep]
         yield KLTerm(Posterior.NORMAL, Prior.NORMAL, 0.0, self.rank1_config.embedding_prior_std, weight, rho)
 
+    def rank1_merge(self, component: int) -> dict[str, Tensor]:
+        """Nothing changes: the posterior mean of every vector is the original weight (one Gaussian,
+        shared by all components)."""
+        return {}
+
     def forward(self, input: Tensor, *args: object, **kwargs: object) -> Tensor:
         base = type(self).__rank1_base__
         if not self.rank1_state.router.noise:
             return base.forward(self, input, *args, **kwargs)
+        if torch.compiler.is_compiling() and not self.sparse:
+            return self._rank1_lookup(input, self._rank1_sampled_table(input), self.padding_idx, args, kwargs)
         weight = self._parameters["weight"]
         # one sample of the rows this batch uses: gather them (torch's own renorm / padding / sparse
         # gradient rules), add noise, and look the batch up in that small sampled table
@@ -92,14 +100,32 @@ class GaussianEmbedding(ConvertedLayer):
             hit = torch.nonzero(is_pad)
             padding = int(hit[0, 0]) if hit.numel() else None
         table = means + std * torch.randn_like(means)
+        return self._rank1_lookup(inverse, table, padding, args, kwargs)
+
+    def _rank1_sampled_table(self, input: Tensor) -> Tensor:
+        """One sample of the whole table: what ``forward`` draws under ``torch.compile``, where the rows
+        the batch uses (``torch.unique``, of a data-dependent size) would break the graph. The same
+        distribution of outputs, at the cost of noise for every row."""
+        weight = self._parameters["weight"]
+        if self.max_norm is not None:  # torch's in-place renorm of the rows the batch uses, as F.embedding does
+            with torch.no_grad():
+                torch.embedding_renorm_(weight, input, self.max_norm, self.norm_type)
+        std = distributions.scale(self.rank1_rho)
+        keep = self._rank1_noisy_rows()
+        if keep is not None:
+            std = std * keep.unsqueeze(1).to(std.dtype)
+        return weight + std * torch.randn_like(weight)
+
+    def _rank1_lookup(self, indices: Tensor, table: Tensor, padding: int | None, args: tuple, kwargs: dict) -> Tensor:
+        """The layer's own lookup (and bag reduction) of ``indices`` in a sampled ``table``."""
         if isinstance(self, nn.EmbeddingBag):
             offsets = args[0] if args else kwargs.get("offsets")
             per_sample_weights = args[1] if len(args) > 1 else kwargs.get("per_sample_weights")
             return F.embedding_bag(
-                inverse, table, offsets, None, self.norm_type, self.scale_grad_by_freq, self.mode, False,
+                indices, table, offsets, None, self.norm_type, self.scale_grad_by_freq, self.mode, False,
                 per_sample_weights, self.include_last_offset, padding,
             )  # fmt: skip
-        return F.embedding(inverse, table, padding, None, self.norm_type, self.scale_grad_by_freq, False)
+        return F.embedding(indices, table, padding, None, self.norm_type, self.scale_grad_by_freq, False)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, gaussian (prior std {self.rank1_config.embedding_prior_std})"

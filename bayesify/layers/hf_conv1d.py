@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from bayesify.layers.affine import Fold, Rank1Affine
+from bayesify.layers.rank1_op import fold_weight
 
 __all__ = ["Rank1HFConv1D"]
 
@@ -37,6 +38,12 @@ class Rank1HFConv1D(Rank1Affine):
 
     def rank1_core(self, x: Tensor) -> Tensor:
         return x @ self._parameters["weight"]
+
+    def rank1_merged_weight(self, weight: Tensor, r: Tensor, s: Tensor) -> Tensor:
+        return fold_weight(weight, r, s, transposed=True)
+
+    def rank1_constant_response(self, weight: Tensor, s: Tensor) -> Tensor:
+        return s @ weight
 
     def rank1_fold(self) -> Fold:
         return Fold(self._parameters["weight"], _dense, transposed=True)

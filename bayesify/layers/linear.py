@@ -36,6 +36,9 @@ class Rank1Linear(Rank1Affine):
     def rank1_core(self, x: Tensor) -> Tensor:
         return F.linear(x, self._parameters["weight"])
 
+    def rank1_constant_response(self, weight: Tensor, s: Tensor) -> Tensor:
+        return F.linear(s, weight)
+
     def rank1_fold(self) -> Fold:
         return Fold(self._parameters["weight"], F.linear)
 

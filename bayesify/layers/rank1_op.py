@@ -96,13 +96,14 @@ def fold_weight(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, transp
     """``W o (r s^T)``: ``r`` scales the output channels, ``s`` the input channels.
 
     Args:
-        weight: ``[out, in / groups, *kernel]`` (torch's Linear / Conv layout), or ``[in, out]`` with
-            ``transposed`` (Hugging Face ``Conv1D``).
+        weight: ``[out, in / groups, *kernel]`` (torch's Linear / Conv layout), or with ``transposed``
+            ``[in, out / groups, *kernel]`` (torch's ConvTranspose layout; Hugging Face ``Conv1D``'s
+            ``[in, out]`` is its case without groups or kernel).
         r: ``[out]``; s: ``[in]`` (a grouped convolution's weight holds group ``g``'s inputs in the rows
-            of group ``g``'s outputs).
+            of group ``g``'s outputs, and a grouped transposed one the reverse).
     """
-    if transposed:
-        return weight * s[:, None] * r[None, :]
+    if transposed:  # the same maths with the roles of the two leading axes swapped
+        return fold_weight(weight, s, r, groups=groups)
     out, per_group = weight.shape[0], weight.shape[1]
     if groups > 1:
         s = s.view(groups, 1, per_group).expand(groups, out // groups, per_group).reshape(out, per_group)
@@ -114,7 +115,7 @@ def fold_weight(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, transp
 
 def rank1_folded(
     x: Tensor,
-    blocks: tuple[tuple[int, int, int], ...],
+    blocks: tuple[tuple[int, int], ...],
     weight: Tensor,
     apply: Callable[[Tensor, Tensor, Tensor | None], Tensor],
     s: Tensor,
@@ -129,7 +130,7 @@ def rank1_folded(
 
     Args:
         x: the input, batch at ``batch_axis``.
-        blocks: ``(component, start, stop)`` runs covering the rows in order.
+        blocks: ``(start, stop)`` runs covering the rows in order, one component each.
         weight: the layer's weight (see :func:`fold_weight`).
         apply: ``apply(x_block, weight, bias)``: the layer's map (``F.linear``, a convolution, ...).
         s, r: ``[len(blocks), in]`` and ``[len(blocks), out]``: one sample per block.
@@ -139,7 +140,7 @@ def rank1_folded(
     is not ``x * W + const``), so it takes :func:`rank1_affine`.
     """
     outputs = []
-    for i, (_, start, stop) in enumerate(blocks):
+    for i, (start, stop) in enumerate(blocks):
         w = fold_weight(weight, r[i], s[i], groups=groups, transposed=transposed)
         part = x.narrow(batch_axis, start, stop - start)
         outputs.append(apply(part, w, None if offset is None else offset[i]))

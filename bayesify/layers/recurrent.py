@@ -32,6 +32,7 @@ References:
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 from bayesify.config import Rank1Config
 from bayesify.layers._scan import RecurrentScan, row_positions
 from bayesify.layers.base import Rank1Layer
-from bayesify.layers.rank1_op import rank1_affine
+from bayesify.layers.rank1_op import fold_weight, rank1_affine
 from bayesify.options import Perturbation
 
 __all__ = ["Rank1RNN", "Rank1RNNCell"]
@@ -74,6 +75,57 @@ class _Rank1Recurrent(Rank1Layer):
             self.rank1_bias_offset(f"rank1_bias_hh{tag}", gates, f"bias_hh{tag}")
         else:  # LSTM / RNN: both biases are added to the gates, one offset for their sum
             self.rank1_bias_offset(f"rank1_bias_ih{tag}", gates, f"bias_ih{tag}", f"bias_hh{tag}")
+
+    def _rank1_tags(self) -> list[str]:
+        """The suffixes of this layer's kernels (``_l0``, ``_l1_reverse``, ...; ``""`` for a cell)."""
+        return [""]
+
+    def rank1_merge(self, component: int) -> dict[str, Tensor]:
+        """Every kernel ``W' = W o (r_k s_k^T)`` (``weight_ih``, ``weight_hh``, ``weight_hr``) and
+        ``b_ih' = b_ih + delta_k`` (a GRU's ``b_hh' = b_hh + delta_hh_k``: its recurrent bias sits inside
+        ``r o (W_hn h + b_hn)``). Additive: the gates' shift ``W_ih s_ih + r_ih + W_hh s_hh + r_hh`` goes
+        into the biases (a GRU's recurrent part into ``b_hh``); refused with a projection (it has no bias)."""
+        merged: dict[str, Tensor] = {}
+        for tag in self._rank1_tags():
+            merged.update(self._rank1_merge_kernels(tag, component))
+        return merged
+
+    def _rank1_merge_kernels(self, tag: str, component: int) -> dict[str, Tensor]:
+        params, at = self._parameters, partial(self.rank1_location, component=component)
+        gru = self._rank1_mode == "GRU"
+        b_ih, b_hh = params.get(f"bias_ih{tag}"), params.get(f"bias_hh{tag}")
+        delta_ih = at(f"rank1_bias_ih{tag}")
+        delta_hh = at(f"rank1_bias_hh{tag}") if gru else None
+        merged: dict[str, Tensor] = {}
+        if self._rank1_additive:
+            name = type(self).__rank1_base__.__name__
+            if params.get(f"weight_hr{tag}") is not None:
+                raise ValueError(
+                    f"the additive perturbation shifts the projection of {name} (proj_size > 0) by W_hr s_hr + r_hr, "
+                    "and the projection has no bias to hold it"
+                )
+            if b_ih is None or b_hh is None:
+                raise ValueError(
+                    f"the additive perturbation shifts the gates of {name}, which has no biases (bias=False) to hold it"
+                )
+            shift_ih = F.linear(at(f"rank1_s_ih{tag}"), params[f"weight_ih{tag}"]) + at(f"rank1_r_ih{tag}")
+            shift_hh = F.linear(at(f"rank1_s_hh{tag}"), params[f"weight_hh{tag}"]) + at(f"rank1_r_hh{tag}")
+            if gru:
+                merged[f"bias_ih{tag}"] = b_ih + shift_ih + delta_ih
+                merged[f"bias_hh{tag}"] = b_hh + shift_hh + delta_hh
+            else:
+                merged[f"bias_ih{tag}"] = b_ih + shift_ih + shift_hh + delta_ih
+            return merged
+        for kernel in ("ih", "hh", "hr"):
+            weight = params.get(f"weight_{kernel}{tag}")
+            if weight is not None:
+                r, s = at(f"rank1_r_{kernel}{tag}"), at(f"rank1_s_{kernel}{tag}")
+                merged[f"weight_{kernel}{tag}"] = fold_weight(weight, r, s)
+        if b_ih is not None:
+            merged[f"bias_ih{tag}"] = b_ih + delta_ih  # LSTM / RNN: the offset of b_ih + b_hh, held by b_ih
+        if gru and b_hh is not None:
+            merged[f"bias_hh{tag}"] = b_hh + delta_hh
+        return merged
 
     # ---- per-forward samples ----------------------------------------------------------------
 
@@ -385,8 +437,8 @@ class Rank1RNNCell(_Rank1Recurrent):
         x = input if batched else input.unsqueeze(0)
         batch = x.shape[0]
         if hx is None:
-            zeros = x.new_zeros(batch, self.hidden_size)
-            states = [zeros, zeros] if lstm else [zeros]
+            # two tensors, not one twice (an input given twice to the scan is a torch.compile graph break)
+            states = [x.new_zeros(batch, self.hidden_size) for _ in range(2 if lstm else 1)]
         else:
             states = list(hx) if lstm else [hx]
             for i, s in enumerate(states):

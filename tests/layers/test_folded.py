@@ -146,7 +146,7 @@ def test_gradcheck_of_the_folded_op() -> None:
     s = torch.randn(2, 3, dtype=DT, requires_grad=True)
     r = torch.randn(2, 4, dtype=DT, requires_grad=True)
     offset = torch.randn(2, 4, dtype=DT, requires_grad=True)
-    blocks = ((0, 0, 2), (1, 2, 5))
+    blocks = ((0, 2), (2, 5))
 
     def op(x, weight, s, r, offset):
         return rank1_folded(x, blocks, weight, F.conv1d, s, r, offset)

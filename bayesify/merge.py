@@ -1,0 +1,117 @@
+"""``merge()``: one member of a converted model as a plain model, for deployment.
+
+The returned model is a copy of the original network with component k's posterior means folded
+into its weights: the original classes, the original ``state_dict`` keys, no hooks and no rank-1
+state, so it runs at the original cost and exports, quantises or saves like any plain model. Its
+output is member k's, i.e. what the converted model computes under
+``bayesify.mode(model, component=k, noise=False)``. The maths of each layer family is its
+:meth:`~bayesify.ConvertedLayer.rank1_merge`; for the multiplicative perturbation
+``W' = W o (r_k s_k^T)`` and ``b' = b + delta_k``.
+
+References:
+    Dusenberry et al., "Efficient and Scalable Bayesian Neural Nets with Rank-1 Factors", ICML 2020, Eq. 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections import defaultdict
+
+import torch
+from torch import Tensor, nn
+
+from bayesify.convert import revert
+from bayesify.inspection import num_components, rank1_layers
+
+__all__ = ["merge"]
+
+
+def merge(model: nn.Module, component: int) -> nn.Module:
+    """A new plain model: ``model``'s member ``component`` with its posterior means in the weights.
+
+    ``model`` is left untouched. Gaussian embeddings become their mean (the original table).
+    Parameters that other modules share (tied weights, e.g. a language model's head and its token
+    embedding) are untied: the converted layer gets its own merged copy, with a warning.
+
+    Args:
+        model: a converted model (or a converted layer used as the model).
+        component: the member to keep, in ``[0, K)``.
+
+    Returns:
+        A deep copy of ``model`` with no bayesify state, whose output equals the converted model's
+        under ``bayesify.mode(model, component=component, noise=False)``.
+
+    Raises:
+        ValueError: ``model`` is not converted, ``component`` is out of range, or a layer cannot hold
+            the member in its original parameters (the message names the layer and why; e.g. an
+            additive perturbation through zero padding, or timm's ``StdConv2d``, which standardises
+            its weight).
+        NotImplementedError: a user-defined layer family without :meth:`~bayesify.ConvertedLayer.rank1_merge`.
+
+    Example:
+        >>> model = bayesify.convert(net, components=4)
+        >>> ...  # train
+        >>> member = bayesify.merge(model, component=2)      # a plain `net`, zero overhead
+        >>> torch.onnx.export(member.eval(), (x,), "member2.onnx", dynamo=True)
+
+    References:
+        Dusenberry et al., ICML 2020, Eq. 1 (``W o (r s^T)``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"merge() takes a converted nn.Module, got {type(model).__name__}.")
+    if next(rank1_layers(model), None) is None:
+        raise ValueError(
+            f"{type(model).__name__} has no rank-1 layers to merge; merge() takes a model returned by bayesify.convert."
+        )
+    k = num_components(model)
+    if isinstance(component, bool) or not isinstance(component, int) or not 0 <= component < k:
+        raise ValueError(f"component={component!r} must be an integer in [0, {k}) (the model has K={k} components).")
+
+    merged = copy.deepcopy(model)
+    # every layer's values first, from the unchanged copy (a parameter may be read by two layers)
+    updates: list[tuple[str, nn.Module, dict[str, Tensor]]] = []
+    with torch.no_grad():
+        for name, layer in rank1_layers(merged):
+            try:
+                values = layer.rank1_merge(component)
+            except (ValueError, NotImplementedError) as error:
+                where = repr(name) if name else "the model"
+                kind = type(layer).__rank1_base__.__name__
+                message = f"bayesify.merge cannot fold component {component} into {where} ({kind}): {error}"
+                raise type(error)(message if message.endswith(".") else message + ".") from None
+            updates.append((name, layer, values))
+
+        holders, names = _parameter_holders(merged)
+        for layer_name, layer, values in updates:
+            for param_name, value in values.items():
+                owner_name, _, attr = param_name.rpartition(".")
+                owner = layer.get_submodule(owner_name) if owner_name else layer
+                param = owner._parameters[attr]
+                assert param is not None and param.shape == value.shape, f"{param_name} keeps its shape"
+                if len(holders[id(param)]) > 1:  # tied: give this layer its own merged copy
+                    full = f"{layer_name}.{param_name}" if layer_name else param_name
+                    others = [n for n in names[id(param)] if n != full]
+                    warnings.warn(
+                        f"bayesify.merge: {full} was shared with {', '.join(others)}; the merged model holds its own "
+                        f"copy with component {component} folded in, so they are no longer tied (tying them again, "
+                        "e.g. tie_weights() when a Hugging Face model is saved and reloaded, would undo the merge).",
+                        stacklevel=2,
+                    )
+                    owner._parameters[attr] = nn.Parameter(value.to(param.dtype).clone(), param.requires_grad)
+                else:
+                    param.copy_(value)
+    return revert(merged)
+
+
+def _parameter_holders(model: nn.Module) -> tuple[dict[int, set[tuple[int, str]]], dict[int, list[str]]]:
+    """For each parameter: the distinct ``(module, attribute)`` slots holding it, and its qualified names."""
+    holders: dict[int, set[tuple[int, str]]] = defaultdict(set)
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None:
+                holders[id(param)].add((id(module), attr))
+    names: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names[id(param)].append(name)
+    return holders, names
