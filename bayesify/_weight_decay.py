@@ -26,11 +26,12 @@ References:
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
-__all__ = ["NoWeightDecay", "RANK1_PATTERNS", "install", "remove"]
+__all__ = ["RANK1_PATTERNS", "NoWeightDecay", "install", "remove"]
 
 RANK1_PATTERNS: tuple[str, ...] = ("rank1_*", "*.rank1_*")
 """fnmatch globs of every parameter name bayesify adds (each added name starts with ``rank1_``)."""

@@ -84,7 +84,7 @@ def test_defaults_start_means_near_one_and_pretrained_preserves_the_network():
         (["train", "--model", "mlp"], "train needs --data"),
         (["train", "--model", "mlp", "--data", "digits", "--resume"], "no checkpoint at"),
         (["evaluate"], "no checkpoint at"),
-        (["train", "--model", "mlp", "--data", "digits", "--weights", "/nonexistent/w.pt"], "--weights /nonexistent/w.pt: no such file"),
+        (["train", "--model", "mlp", "--data", "digits", "--weights", "/nonexistent/w.pt"], "w.pt: no such file"),
         (["train", "--model", "mlp", "--data", "digits", "--adapter"], "--pretrained or --weights FILE"),
         (["train", "--model", "cnn", "--data", "digits", "--pretrained"], "no published pretrained weights"),
     ],
@@ -150,7 +150,8 @@ def test_weights_file_with_the_adapter_trains_resumes_and_refuses_other_groups(t
 
     from bayesify.zoo.models import create_model
 
-    torch.save(create_model("mlp", in_channels=1, num_classes=10, input_shape=(1, 8, 8)).state_dict(), tmp_path / "w.pt")
+    plain = create_model("mlp", in_channels=1, num_classes=10, input_shape=(1, 8, 8))
+    torch.save(plain.state_dict(), tmp_path / "w.pt")
     assert _train(tmp_path, "--weights", str(tmp_path / "w.pt"), "--adapter", "--max-steps", "2") == 0
     config = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["config"]
     assert config["adapter"] and config["init"] == "preserve"

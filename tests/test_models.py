@@ -74,8 +74,10 @@ def test_pretrained_offline_is_one_error_naming_weights_file(monkeypatch):
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     def offline(*args, **kwargs):
-        raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub and we cannot "
-                                      "find the requested files in the local cache.\nPlease check your connection.")  # fmt: skip
+        raise LocalEntryNotFoundError(
+            "An error happened while trying to locate the file on the Hub and we cannot find the requested files in "
+            "the local cache.\nPlease check your connection."
+        )
 
     monkeypatch.setattr(timm, "create_model", offline)
     with pytest.raises(ValueError) as error:

@@ -55,7 +55,9 @@ def test_mismatched_keys_and_shapes_are_named_and_nothing_is_loaded(tmp_path) ->
     message = str(error.value)
     assert "does not fit Sequential" in message and "\n" not in message
     assert "1 missing (0.bias)" in message and "1 unexpected (extra.weight)" in message
-    assert "2 of another shape (3.weight [5, 8] in the file, [3, 8] in the model, 3.bias [5] in the file, [3]" in message
+    assert (
+        "2 of another shape (3.weight [5, 8] in the file, [3, 8] in the model, 3.bias [5] in the file, [3]" in message
+    )
     assert "same architecture, input channels and number of classes" in message
     assert all(torch.equal(target.state_dict()[k], v) for k, v in before.items())
 
@@ -70,7 +72,9 @@ def test_files_that_are_not_weights_are_refused_with_the_fix(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"--weights .*nothere.pt: no such file"):
         read_state_dict(tmp_path / "nothere.pt")
     torch.save(_net(), tmp_path / "whole.pt")  # a pickled model, not a state_dict
-    with pytest.raises(ValueError, match=r"not a state_dict .*UnpicklingError.*torch.save\(model.state_dict\(\), FILE\)"):
+    with pytest.raises(
+        ValueError, match=r"not a state_dict .*UnpicklingError.*torch.save\(model.state_dict\(\), FILE\)"
+    ):
         read_state_dict(tmp_path / "whole.pt")
     torch.save([torch.zeros(2)], tmp_path / "list.pt")
     with pytest.raises(ValueError, match="holds a list, not a state_dict of tensors"):

@@ -283,12 +283,12 @@ class Trainer:
         run.model.load_state_dict(state["model"])
         try:
             run.optimizer.load_state_dict(state["optimizer"])
-        except ValueError as error:  # groups of another layout: a checkpoint of an earlier release, or --adapter changed
+        except ValueError as error:  # other groups: a checkpoint of an earlier release, or --adapter changed
+            groups = ", ".join(g["name"] for g in run.optimizer.param_groups)
             raise ValueError(
-                f"the optimizer state in {run.checkpoint} does not fit this run's parameter groups "
-                f"({', '.join(g['name'] for g in run.optimizer.param_groups)}): {error}; it was written by an earlier "
-                "bayesify release or with other trainable parameters (--adapter); resume with the run's own settings, or "
-                "start a new run in another --out."
+                f"the optimizer state in {run.checkpoint} does not fit this run's parameter groups ({groups}): "
+                f"{error}; it was written by an earlier bayesify release or with other trainable parameters "
+                "(--adapter); resume with the run's own settings, or start a new run in another --out."
             ) from None
         run.scheduler.load_state_dict(state["scheduler"])
         run.scaler.load_state_dict(state["scaler"])

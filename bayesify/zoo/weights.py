@@ -41,7 +41,9 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
         try:
             from safetensors.torch import load_file
         except ImportError:
-            raise ValueError(f"--weights {path}: reading .safetensors needs the safetensors package (pip install safetensors).") from None
+            raise ValueError(
+                f"--weights {path}: reading .safetensors needs the safetensors package (pip install safetensors)."
+            ) from None
         try:
             loaded: Any = load_file(str(path))
         except Exception as error:  # safetensors raises its own SafetensorError on a damaged header
@@ -91,8 +93,8 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     ]
     if problems:
         raise ValueError(
-            f"--weights {path} does not fit {type(model).__name__}: keys {'; '.join(problems)}; the file must hold this "
-            "model's state_dict (the same architecture, input channels and number of classes)."
+            f"--weights {path} does not fit {type(model).__name__}: keys {'; '.join(problems)}; the file must hold "
+            "this model's state_dict (the same architecture, input channels and number of classes)."
         )
     model.load_state_dict(state, strict=True)
     return model

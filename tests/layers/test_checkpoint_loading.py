@@ -45,7 +45,9 @@ def _perturb(model: nn.Module) -> None:
             p.add_(torch.randn_like(p))
 
 
-@pytest.mark.parametrize("make", [lambda: SequenceModel().double(), lambda: timm.create_model("resnet18", num_classes=5)])
+@pytest.mark.parametrize(
+    "make", [lambda: SequenceModel().double(), lambda: timm.create_model("resnet18", num_classes=5)]
+)
 def test_unconverted_checkpoint_loads_strictly_and_keeps_the_rank1_values(make) -> None:
     torch.manual_seed(0)
     pretrained_state = make().state_dict()
@@ -131,7 +133,11 @@ def test_the_hook_survives_copies_and_goes_with_revert() -> None:
     model = bayesify.convert(SequenceModel().double(), task="classification")
     buffer = io.BytesIO()
     torch.save(model, buffer)
-    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)):
+    for copied in (
+        copy.deepcopy(model),
+        pickle.loads(pickle.dumps(model)),
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=False),
+    ):
         assert copied.load_state_dict(state).missing_keys == []
 
     bayesify.revert(model)

@@ -46,9 +46,9 @@ def test_norm_parameters_shared_parameters_and_the_models_own_no_decay_names():
     no_decay = _ids(groups["no_decay"]["params"])
     assert id(model.pos_embed) in no_decay and id(model.cls_token) in no_decay  # ViT's no_weight_decay() names
     assert id(model.norm.weight) in no_decay and id(model.blocks[0].norm1.weight) in no_decay
-    assert _ids(groups["weights"]["params"]) == _ids(
-        p for n, p in model.named_parameters() if p.ndim >= 2 and "rank1_" not in n and n not in ("pos_embed", "cls_token")
-    )
+    own = ("pos_embed", "cls_token")
+    matrices = [p for n, p in model.named_parameters() if p.ndim >= 2 and "rank1_" not in n and n not in own]
+    assert _ids(groups["weights"]["params"]) == _ids(matrices)
     tied = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
     tied[1].weight = tied[0].weight
     assert len(param_groups(tied, lr=1e-3)[0]["params"]) == 1  # a shared parameter is listed once

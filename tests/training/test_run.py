@@ -41,7 +41,7 @@ def test_weights_load_before_conversion_and_the_function_is_kept(tmp_path, digit
 
 
 def test_an_adapter_run_trains_the_rank1_parameters_only_and_logs_the_base_lr(tmp_path, digits, weights_file):
-    path, plain = weights_file
+    path, _ = weights_file
     config = _config(tmp_path, weights=str(path), adapter=True, max_steps=4, log_every=2, batch_size=32,
                      fast_weight_lr_multiplier=3.0, lr=0.01)  # fmt: skip
     config.validate()
@@ -73,9 +73,9 @@ def test_a_run_is_rebuilt_from_its_checkpoint_without_the_weights_file(tmp_path,
 @pytest.mark.parametrize(
     "values, match",
     [
-        (dict(adapter=True), "--adapter freezes the network's own weights, which here are random"),
-        (dict(adapter=True, deterministic=True, weights="w.pt"), "--deterministic does not add"),
-        (dict(pretrained=True, weights="w.pt"), "either --pretrained or --weights w.pt"),
+        ({"adapter": True}, "--adapter freezes the network's own weights, which here are random"),
+        ({"adapter": True, "deterministic": True, "weights": "w.pt"}, "--deterministic does not add"),
+        ({"pretrained": True, "weights": "w.pt"}, "pass --pretrained or --weights w.pt, not both"),
     ],
 )
 def test_inconsistent_start_settings_name_the_fix(tmp_path, values, match):
