@@ -7,6 +7,7 @@ References:
     Dusenberry et al., "Efficient and Scalable Bayesian Neural Nets with Rank-1 Factors", ICML 2020.
 """
 
+from bayesify.adapter import freeze_base
 from bayesify.config import Rank1Config
 from bayesify.convert import convert, default_mapping, revert
 from bayesify.inspection import is_converted, num_components, rank1_layers, rank1_parameters
@@ -37,6 +38,7 @@ __all__ = [
     "Task",
     "convert",
     "default_mapping",
+    "freeze_base",
     "is_converted",
     "kl_divergence",
     "merge",

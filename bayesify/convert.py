@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping
 
 from torch import nn
 
-from bayesify import _router
+from bayesify import _router, _weight_decay
 from bayesify.config import Rank1Config, options_doc
 from bayesify.inspection import NORM_LAYERS, inside, rank1_layers
 from bayesify.layers.attention import Rank1MultiheadAttention
@@ -174,8 +174,12 @@ def convert(
 
     Every module whose type (or a parent class of it) is in ``mapping`` becomes a rank-1
     layer: the same module object and the same Parameters, with ``W' = W o (r s^T)`` where
-    r and s have a K-component mixture posterior. Only new state is added, so a pretrained
-    checkpoint still loads and an optimizer created earlier still holds the weights.
+    r and s have a K-component mixture posterior. Only new state is added, so an optimizer
+    created earlier still holds the weights, and a checkpoint of the unconverted network still
+    loads with ``model.load_state_dict(state, strict=True)`` (the rank-1 values are kept; see
+    :mod:`bayesify.layers.base`). The root gets ``model.no_weight_decay()`` (timm's hook: its own
+    names plus ``rank1_*`` globs), so ``timm.optim.create_optimizer_v2`` does not decay the
+    rank-1 parameters; for torch optimizers use :func:`bayesify.training.param_groups`.
 
     Args:
         model: any ``nn.Module`` (timm, torchvision, your own; the root may itself be a layer).
@@ -284,6 +288,7 @@ def convert(
     model.__dict__["_rank1_report"] = report
     if not _router.is_root(model):
         _router.attach(model, router)
+    _weight_decay.install(model)  # timm's optimizer factory: no weight decay on the rank-1 parameters
     return model
 
 
@@ -351,6 +356,7 @@ def revert(model: nn.Module) -> nn.Module:
         if _router.is_root(module):
             _router.detach(module)
         module.__dict__.pop("_rank1_report", None)
+        _weight_decay.remove(module)
         if not isinstance(module, ConvertedLayer):
             module.__dict__.pop("_rank1_context", None)
     for _, layer in list(rank1_layers(model)):

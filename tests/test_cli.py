@@ -84,6 +84,9 @@ def test_defaults_start_means_near_one_and_pretrained_preserves_the_network():
         (["train", "--model", "mlp"], "train needs --data"),
         (["train", "--model", "mlp", "--data", "digits", "--resume"], "no checkpoint at"),
         (["evaluate"], "no checkpoint at"),
+        (["train", "--model", "mlp", "--data", "digits", "--weights", "/nonexistent/w.pt"], "w.pt: no such file"),
+        (["train", "--model", "mlp", "--data", "digits", "--adapter"], "--pretrained or --weights FILE"),
+        (["train", "--model", "cnn", "--data", "digits", "--pretrained"], "no published pretrained weights"),
     ],
 )
 def test_user_errors_exit_2_with_one_line_naming_the_fix(tmp_path, capsys, argv, message):
@@ -140,3 +143,34 @@ def test_evaluate_with_a_baseline_draws_both_runs(tmp_path, capsys):
     report = json.loads((tmp_path / "run" / "evaluation.json").read_text())
     assert report["baseline"]["config"]["deterministic"] is True and report["config"]["components"] == 2
     assert (tmp_path / "run" / "corruptions.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pretrained_offline_ends_in_one_line_naming_weights_file(tmp_path, capsys, monkeypatch):
+    import timm
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(*args, **kwargs):  # what timm raises here after huggingface_hub's retries (no network, no cache)
+        raise LocalEntryNotFoundError("An error happened while trying to locate the file on the Hub.\nCheck it.")
+
+    monkeypatch.setattr(timm, "create_model", offline)
+    code = cli.main(["train", "--model", "resnet18", "--data", "digits", "--pretrained", "--out", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "could not get its pretrained weights (LocalEntryNotFoundError" in err and "pass --weights FILE" in err
+
+
+def test_weights_file_with_the_adapter_trains_resumes_and_refuses_other_groups(tmp_path, capsys):
+    import torch
+
+    from bayesify.zoo.models import create_model
+
+    plain = create_model("mlp", in_channels=1, num_classes=10, input_shape=(1, 8, 8))
+    torch.save(plain.state_dict(), tmp_path / "w.pt")
+    assert _train(tmp_path, "--weights", str(tmp_path / "w.pt"), "--adapter", "--max-steps", "2") == 0
+    config = load_checkpoint(tmp_path / "run" / "checkpoint.pt")["config"]
+    assert config["adapter"] and config["init"] == "preserve"
+    run = ["train", "--out", str(tmp_path / "run"), "--resume", "--no-progress"]
+    assert cli.main([*run, "--max-steps", "4"]) == 0
+    assert cli.main([*run, "--max-steps", "6", "--no-adapter"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit this run's parameter groups (weights, no_decay, rank1_factors, rank1_other)" in err

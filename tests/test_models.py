@@ -60,3 +60,45 @@ def test_module_factory(tmp_path, monkeypatch):
 def test_errors_name_the_value_and_the_fix(name, kwargs, message):
     with pytest.raises(ValueError, match=message):
         create_model(name, in_channels=1, num_classes=10, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["cnn", "bayesify.zoo.models:_mlp"])
+def test_pretrained_without_published_weights_names_weights_file(name):
+    with pytest.raises(ValueError, match=r"has no published pretrained weights .* --weights FILE"):
+        create_model(name, in_channels=1, num_classes=10, input_shape=(1, 8, 8), pretrained=True)
+
+
+def test_pretrained_offline_is_one_error_naming_weights_file(monkeypatch):
+    # what huggingface_hub raises with no network and no cache (reproduced offline: 70 s of retries, then this)
+    import timm
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(*args, **kwargs):
+        raise LocalEntryNotFoundError(
+            "An error happened while trying to locate the file on the Hub and we cannot find the requested files in "
+            "the local cache.\nPlease check your connection."
+        )
+
+    monkeypatch.setattr(timm, "create_model", offline)
+    with pytest.raises(ValueError) as error:
+        create_model("resnet18", in_channels=1, num_classes=10, pretrained=True)
+    message = str(error.value)
+    assert "\n" not in message and error.value.__cause__ is None and error.value.__suppress_context__
+    assert message.startswith("model='resnet18': could not get its pretrained weights (LocalEntryNotFoundError: An ")
+    assert "offline, pass --weights FILE" in message
+
+
+def test_an_os_error_without_pretrained_is_not_reworded(monkeypatch):
+    import timm
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(timm, "create_model", broken)
+    with pytest.raises(OSError, match="disk full"):
+        create_model("resnet18", in_channels=1, num_classes=10)
+
+
+def test_torchvision_pretrained_with_other_classes_names_the_timm_model():
+    with pytest.raises(ValueError, match=r"pretrained 'resnet18' has 1000 classes, the data 10; use the timm model"):
+        create_model("torchvision:resnet18", in_channels=3, num_classes=10, pretrained=True)

@@ -9,7 +9,12 @@ does it. Hence:
   optimizer built before conversion and a pretrained checkpoint still apply;
 * ``isinstance(layer, nn.Conv2d)`` and the original class's own ``forward`` (weight
   standardisation, same padding) still hold; hooks, device, dtype and ``training`` are kept;
-* new state is only added, and every name bayesify adds starts with ``rank1_``.
+* new state is only added, and every name bayesify adds starts with ``rank1_``;
+* a checkpoint of the *unconverted* network loads with plain ``load_state_dict(sd, strict=True)``:
+  every converted layer has a load pre-hook (:func:`_keep_rank1_state_if_absent`) that keeps its
+  current rank-1 values when the incoming state dict holds none of its ``rank1_*`` keys. A state
+  dict holding some but not all of them is a damaged converted checkpoint, and strict loading still
+  reports the missing ones; the original keys are as strict as ever.
 
 **The contract** (what a layer family implements; see ``docs/ARCHITECTURE.md`` for a complete
 example of a user's own layer):
@@ -83,6 +88,7 @@ class LayerState:
     cache: Any = None  # per-forward draws held across calls (recurrent layers)
     bypassed_by: set[str] = field(default_factory=set)  # functions that used the weight directly (summary)
     intercepted_by: str | None = None  # the last function whose use of the weight was routed here
+    load_hook: int | None = None  # id of the load_state_dict pre-hook in the layer's hook dict (revert removes it)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -142,6 +148,31 @@ def _spread(per_block: Tensor, blocks: tuple[Block, ...]) -> Tensor:
     return torch.cat([v.expand(n, -1) for v, n in zip(per_block[:, None], sizes)])
 
 
+def _keep_rank1_state_if_absent(
+    layer: "ConvertedLayer",
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load pre-hook of every converted layer: an unconverted checkpoint keeps the current rank-1 values.
+
+    If ``state_dict`` (torch's own copy, never the caller's dict) holds none of this layer's
+    ``rank1_*`` keys, the layer's live rank-1 tensors are put in for them, so they load onto
+    themselves (``copy_`` of a tensor onto itself is a no-op; ``assign=True`` re-assigns the same
+    Parameter) and are not reported missing. If it holds some of them, nothing is added and
+    strict loading reports the missing ones, as for any other key.
+    """
+    own = layer.rank1_state_dict()
+    if any(prefix + key in state_dict for key in own):
+        return
+    for key, value in own.items():
+        state_dict[prefix + key] = value
+
+
 class ConvertedLayer(nn.Module):
     """Mixin base of every layer bayesify converts; found by ``isinstance`` by the model-level helpers.
 
@@ -165,7 +196,8 @@ class ConvertedLayer(nn.Module):
                 "forward pass on an example batch before bayesify.convert()."
             )
         module.__class__ = rank1_class(cls, type(module))
-        module.__dict__["rank1_state"] = LayerState(config, router)
+        state = module.__dict__["rank1_state"] = LayerState(config, router)
+        state.load_hook = module.register_load_state_dict_pre_hook(_keep_rank1_state_if_absent).id
         try:
             module.rank1_setup(config)
         except Exception:
@@ -305,6 +337,18 @@ class ConvertedLayer(nn.Module):
             if isinstance(child, Rank1Factor):
                 yield name, child
 
+    def rank1_state_dict(self) -> dict[str, Tensor]:
+        """This layer's own ``rank1_*`` entries of its ``state_dict`` (keys relative to the layer, values
+        the live Parameters and buffers): what an unconverted checkpoint does not hold."""
+        entries: dict[str, Tensor] = {}
+        for name, value in [*self._parameters.items(), *self._buffers.items()]:
+            if name.startswith("rank1_") and value is not None and name not in self._non_persistent_buffers_set:
+                entries[name] = value
+        for name, child in self._modules.items():
+            if name.startswith("rank1_") and child is not None:
+                entries.update(child.state_dict(prefix=f"{name}.", keep_vars=True))
+        return entries
+
     def rank1_parameters(self) -> Iterator[nn.Parameter]:
         """The parameters bayesify added to this layer (factors, bias offsets and the like)."""
         for _, factor in self.rank1_factors():
@@ -327,7 +371,9 @@ class ConvertedLayer(nn.Module):
             delattr(self, name)
         for name in [n for n in self._parameters if n.startswith("rank1_")]:
             del self._parameters[name]
-        self.__dict__.pop("rank1_state", None)
+        state = self.__dict__.pop("rank1_state", None)
+        if state is not None and state.load_hook is not None:
+            self._load_state_dict_pre_hooks.pop(state.load_hook, None)
         self.__class__ = type(self).__rank1_base__
         return self
 

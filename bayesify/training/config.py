@@ -52,7 +52,9 @@ class TrainConfig(Rank1Config):
     model: str = option("cnn", "built-in (cnn, cnn1d, mlp), timm or torchvision name, or package.module:factory")
     data: str = option("digits", "digits, mnist1d, breast-cancer, cifar10, cifar100, or folder:PATH")
     data_dir: str | None = option(None, "where torchvision data sets are (CIFAR)")
-    pretrained: bool = option(False, "start from the library's pretrained weights")
+    pretrained: bool = option(False, "start from the library's pretrained weights (offline: --weights FILE)")
+    weights: str | None = option(None, "start from the weights in FILE (a torch.save'd state_dict or .safetensors)")
+    adapter: bool = option(False, "train only the rank-1 parameters on the frozen (pretrained) network")
     deterministic: bool = option(False, "train the network as it is, without converting it (a baseline)")
     # objective
     route: Route = option(Route.SAMPLE, "sample: one component per example (~1x cost); tile: every example through all K (the paper)")
@@ -128,3 +130,12 @@ class TrainConfig(Rank1Config):
             raise ValueError(f"lr={self.lr!r} must be > 0.")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip={self.grad_clip!r} must be > 0 (or None: no clipping).")
+        if self.pretrained and self.weights is not None:
+            raise ValueError(f"pass --pretrained or --weights {self.weights}, not both (each sets the start weights).")
+        if self.adapter and self.deterministic:
+            raise ValueError("--adapter trains the rank-1 parameters, which --deterministic does not add; drop one.")
+        if self.adapter and not (self.pretrained or self.weights is not None):
+            raise ValueError(
+                "--adapter freezes the network's own weights, which here are random; start from trained ones with "
+                "--pretrained or --weights FILE (or drop --adapter to train everything)."
+            )

@@ -1,10 +1,15 @@
 """Optimizers and learning-rate schedules of the paper's recipes.
 
-* :func:`param_groups`: the point-estimated weights in one group, the rank-1 r / s variational
-  parameters in another whose learning rate is ``fast_weight_lr_multiplier`` times the base
-  (the reference scales those parameters' gradients, which for SGD with momentum is the same
-  as scaling their learning rate; with Adam a learning-rate multiplier is the meaningful form).
-  The per-component biases stay with the weights, as in the reference.
+* :func:`param_groups`: parameter groups for any torch optimizer. The point-estimated weights
+  (decayed), the biases and normalisation parameters (not decayed), the rank-1 r / s factors at
+  ``fast_weight_lr_multiplier`` times the base rate (the reference scales those parameters'
+  gradients, which for SGD with momentum is the same as scaling their learning rate; with Adam a
+  learning-rate multiplier is the meaningful form), and bayesify's other parameters (per-component
+  bias offsets, embedding scales) at the base rate, as in the reference. No bayesify parameter is
+  decayed: the factors are multiplicative and centred at the prior mean 1 (decaying ``loc``
+  pulls it to 0; decaying ``rho`` widens the posterior), and the bias offsets have their L2
+  prior in the objective. (timm's ``create_optimizer_v2`` gets the same answer from the
+  ``no_weight_decay()`` hook that :func:`bayesify.convert` puts on the root.)
 * :func:`build_optimizer`: SGD with Nesterov momentum (CIFAR / ImageNet recipes) or Adam /
   AdamW (MIMIC recipe).
 * :class:`WarmupStepDecay`: the reference's ``WarmUpPiecewiseConstantSchedule``: linear warm-up
@@ -19,15 +24,17 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from bayesify.inspection import NORM_LAYERS, rank1_parameters
 from bayesify.options import StrOption
 from bayesify.variational.factor import Rank1Factor
 
-__all__ = ["OptimizerName", "WarmupStepDecay", "build_optimizer", "param_groups"]
+__all__ = ["GROUPS", "OptimizerName", "WarmupStepDecay", "build_optimizer", "param_groups"]
 
 
 class OptimizerName(StrOption):
@@ -41,6 +48,10 @@ class OptimizerName(StrOption):
     """AdamW (decoupled weight decay; bayesify's L2 prior lives in the objective instead)."""
 
 
+GROUPS: tuple[str, ...] = ("weights", "no_decay", "rank1_factors", "rank1_other")
+"""The names of :func:`param_groups`' groups, in their order."""
+
+
 def _factor_parameter_ids(model: nn.Module) -> set[int]:
     ids: set[int] = set()
     for module in model.modules():
@@ -49,31 +60,89 @@ def _factor_parameter_ids(model: nn.Module) -> set[int]:
     return ids
 
 
-def param_groups(model: nn.Module, *, lr: float, fast_weight_lr_multiplier: float = 1.0) -> list[dict[str, Any]]:
-    """Optimizer parameter groups: ``weights`` at ``lr``, ``rank1_factors`` at ``lr * multiplier``.
+def _own_no_weight_decay(model: nn.Module) -> list[str]:
+    """The names / fnmatch globs the model itself keeps out of decay (timm's ``no_weight_decay()``)."""
+    hook = getattr(model, "no_weight_decay", None)
+    return [str(name) for name in hook()] if callable(hook) else []
 
-    Only parameters with ``requires_grad`` are included; empty groups are left out. Each
-    group carries a ``name`` key (ignored by torch optimizers, useful in logs).
+
+def param_groups(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float | None = None,
+    fast_weight_lr_multiplier: float = 1.0,
+) -> list[dict[str, Any]]:
+    """Parameter groups for any torch optimizer, with no weight decay on what bayesify added.
+
+    * ``weights``: the point-estimated weights (2+ axes); ``lr``, ``weight_decay``.
+    * ``no_decay``: biases, normalisation parameters, other 0-/1-d parameters and the names
+      the model keeps out of decay itself (timm's ``model.no_weight_decay()``, e.g. ViT's
+      ``pos_embed``); ``lr``, no decay.
+    * ``rank1_factors``: the rank-1 r / s factors (``loc``, ``rho``);
+      ``lr * fast_weight_lr_multiplier``, no decay.
+    * ``rank1_other``: bayesify's other parameters (per-component bias offsets, Gaussian-
+      embedding scales); ``lr``, no decay (the bias offsets' L2 prior is in the objective).
+
+    Only parameters with ``requires_grad`` are included (so an adapter, see
+    :func:`bayesify.freeze_base`, gets its rank-1 parameters only); empty groups are left out;
+    a parameter shared by two modules appears once. Each group carries a ``name`` key (ignored
+    by torch optimizers, useful in logs). With ``weight_decay=None`` the ``weights`` group has no
+    ``weight_decay`` key, so the optimizer's own default applies to it (and only to it).
+
+    Args:
+        model: any model, converted or not (a plain model gets ``weights`` and ``no_decay``).
+        lr: the base learning rate.
+        weight_decay: the decay of the ``weights`` group; None: the optimizer's default.
+        fast_weight_lr_multiplier: learning-rate multiplier of the rank-1 factors.
+
+    Returns:
+        The non-empty groups, in the order of :data:`GROUPS`.
 
     Raises:
-        ValueError: a non-positive ``lr`` or multiplier.
+        ValueError: a non-positive ``lr`` or multiplier, or a negative ``weight_decay``.
+
+    Example:
+        >>> optimizer = torch.optim.AdamW(param_groups(model, lr=1e-3, weight_decay=0.05))
+        >>> [(g["name"], g["weight_decay"]) for g in optimizer.param_groups]
+        [('weights', 0.05), ('no_decay', 0.0), ('rank1_factors', 0.0), ('rank1_other', 0.0)]
     """
     if not lr > 0:
         raise ValueError(f"lr={lr!r} must be > 0.")
     if not fast_weight_lr_multiplier > 0:
         raise ValueError(f"fast_weight_lr_multiplier={fast_weight_lr_multiplier!r} must be > 0 (1.0: same lr).")
-    fast_ids = _factor_parameter_ids(model)
-    weights, fast, seen = [], [], set()
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
+    if weight_decay is not None and not weight_decay >= 0:
+        raise ValueError(f"weight_decay={weight_decay!r} must be >= 0 (or None: the optimizer's default).")
+    factor_ids = _factor_parameter_ids(model)
+    rank1_ids = {id(p) for p in rank1_parameters(model)}
+    norm_ids = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)}
+    own_no_decay = _own_no_weight_decay(model)
+    members: dict[str, list[nn.Parameter]] = {name: [] for name in GROUPS}
+    for name, p in model.named_parameters():  # a shared parameter is listed once
+        if not p.requires_grad:
             continue
-        seen.add(id(p))
-        (fast if id(p) in fast_ids else weights).append(p)
-    groups = [
-        {"params": weights, "lr": lr, "name": "weights"},
-        {"params": fast, "lr": lr * fast_weight_lr_multiplier, "name": "rank1_factors"},
-    ]
-    return [g for g in groups if g["params"]]
+        if id(p) in factor_ids:
+            group = "rank1_factors"
+        elif id(p) in rank1_ids:
+            group = "rank1_other"
+        elif (
+            p.ndim <= 1
+            or name == "bias"
+            or name.endswith(".bias")
+            or id(p) in norm_ids
+            or any(fnmatch.fnmatch(name, pattern) for pattern in own_no_decay)
+        ):
+            group = "no_decay"
+        else:
+            group = "weights"
+        members[group].append(p)
+    settings: dict[str, dict[str, Any]] = {
+        "weights": {"lr": lr} if weight_decay is None else {"lr": lr, "weight_decay": weight_decay},
+        "no_decay": {"lr": lr, "weight_decay": 0.0},
+        "rank1_factors": {"lr": lr * fast_weight_lr_multiplier, "weight_decay": 0.0},
+        "rank1_other": {"lr": lr, "weight_decay": 0.0},
+    }
+    return [{"params": members[n], **settings[n], "name": n} for n in GROUPS if members[n]]
 
 
 def build_optimizer(

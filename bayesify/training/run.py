@@ -23,6 +23,7 @@ from bayesify.tasks import Task, TaskName
 from bayesify.training.recipes import apply_preset
 from bayesify.zoo.data import DataBundle, load_data
 from bayesify.zoo.models import create_model
+from bayesify.zoo.weights import load_weights
 
 __all__ = [
     "CHECKPOINT",
@@ -55,7 +56,9 @@ def run_task(config: TrainConfig, bundle: DataBundle) -> Task:
 
 
 def build_model(config: TrainConfig, bundle: DataBundle) -> nn.Module:
-    """``create_model`` for the data and the task, converted with ``config``'s options unless ``deterministic``; seeded."""
+    """The run's model, seeded: ``create_model`` for the data and the task, its start weights (``pretrained``, or
+    the file ``weights``) loaded, converted with ``config``'s options unless ``deterministic``, and with
+    ``adapter`` only its rank-1 parameters left trainable (:func:`bayesify.freeze_base`)."""
     torch.manual_seed(config.seed)
     model = create_model(
         config.model,
@@ -65,9 +68,19 @@ def build_model(config: TrainConfig, bundle: DataBundle) -> nn.Module:
         kind=bundle.kind,
         pretrained=config.pretrained,
     )
+    if config.weights is not None:
+        load_weights(model, config.weights)  # before conversion: the file holds the network's own keys
     if not config.deterministic:
         bayesify.convert(model, config.rank1.replace(task=_task_option(config, bundle)))
+        if config.adapter:
+            bayesify.freeze_base(model)
     return model
+
+
+def _without_start_weights(config: TrainConfig) -> TrainConfig:
+    """The config that rebuilds a run's model for its checkpoint: no download, no weights file (the checkpoint
+    holds the weights)."""
+    return dataclasses.replace(config, pretrained=False, weights=None)
 
 
 def new_run_config(explicit: dict[str, Any], preset: str | None = None) -> TrainConfig:
@@ -88,7 +101,7 @@ def new_run_config(explicit: dict[str, Any], preset: str | None = None) -> Train
             f"train needs {' and '.join(missing)} (e.g. --model cnn --data digits) unless it --resume's a run."
         )
     values = apply_preset(preset, explicit)
-    if values.get("pretrained") and "init" not in explicit:
+    if (values.get("pretrained") or values.get("weights")) and "init" not in explicit:
         values["init"] = "preserve"  # keep the pretrained network's function at the start
     return TrainConfig(**values)
 
@@ -121,8 +134,8 @@ def load_run(out: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
 def restore_model(
     config: TrainConfig, state: dict[str, Any], bundle: DataBundle
 ) -> nn.Module:
-    """The run's model rebuilt and loaded with the checkpoint's weights (no pretrained download)."""
-    model = build_model(dataclasses.replace(config, pretrained=False), bundle)
+    """The run's model rebuilt and loaded with the checkpoint's weights (no pretrained download, no weights file)."""
+    model = build_model(_without_start_weights(config), bundle)
     model.load_state_dict(state["model"])
     return model
 
@@ -132,7 +145,7 @@ def train(config: TrainConfig, *, download: bool = False) -> dict[str, Any]:
     from bayesify.training.trainer import Trainer
 
     bundle = load_data(config.data, config.data_dir, download=download, seed=0)
-    model = build_model(dataclasses.replace(config, pretrained=False) if config.resume else config, bundle)
+    model = build_model(_without_start_weights(config) if config.resume else config, bundle)
     try:
         return Trainer(config, model, bundle).run()
     finally:

@@ -227,7 +227,7 @@ class Trainer:
         if cfg.max_steps is not None:
             total_steps = min(total_steps, cfg.max_steps)
 
-        # optimizer over two parameter groups (weights, rank-1 factors); schedule; fp16 scaler
+        # optimizer over param_groups' groups (weights, no-decay, rank-1 factors, other rank-1); schedule; fp16 scaler
         optimizer = build_optimizer(
             cfg.optimizer,
             param_groups(model, lr=cfg.lr, fast_weight_lr_multiplier=cfg.fast_weight_lr_multiplier),
@@ -281,7 +281,15 @@ class Trainer:
     def _restore(self, run: _Run, state: dict[str, Any]) -> int:
         """Everything a checkpoint holds, back in place; returns the batch to continue from."""
         run.model.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
+        try:
+            run.optimizer.load_state_dict(state["optimizer"])
+        except ValueError as error:  # other groups: a checkpoint of an earlier release, or --adapter changed
+            groups = ", ".join(g["name"] for g in run.optimizer.param_groups)
+            raise ValueError(
+                f"the optimizer state in {run.checkpoint} does not fit this run's parameter groups ({groups}): "
+                f"{error}; it was written by an earlier bayesify release or with other trainable parameters "
+                "(--adapter); resume with the run's own settings, or start a new run in another --out."
+            ) from None
         run.scheduler.load_state_dict(state["scheduler"])
         run.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = state["step"], state["epoch"]
@@ -344,7 +352,8 @@ class Trainer:
         means = {key: float(run.dist.all_reduce_mean(value)) / steps for key, value in sums.items()}
         self.last = means
         record = {"kind": "train", "step": self.step, "epoch": self.epoch, **means}
-        record["lr"] = run.optimizer.param_groups[0]["lr"]
+        group = run.optimizer.param_groups[0]  # the base rate now (group 0 may have a multiplier, e.g. an adapter's)
+        record["lr"] = self.config.lr * group["lr"] / group["initial_lr"]
         record["examples_per_s"] = round(examples_per_s, 2)
         run.log.write(record)
 

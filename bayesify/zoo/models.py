@@ -17,20 +17,26 @@ Names are tried in this order:
 Prefix a name with ``timm:`` or ``torchvision:`` to pick one library when both have it
 (``resnet18`` is timm's unless written ``torchvision:resnet18``).
 
+``pretrained=True`` asks timm / torchvision for their published weights (from their cache, else
+the network). Without them (offline, no cache) it ends in one ValueError naming the way out: a
+local weights file (:func:`bayesify.zoo.weights.load_weights`, ``bayesify train --weights FILE``).
+
 Example:
     >>> net = create_model("resnet18", in_channels=1, num_classes=10)
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
-from typing import Callable
+from typing import Callable, Iterator
 
 from torch import Tensor, nn
 
 from bayesify.zoo.data import DataKind
+from bayesify.zoo.weights import first_line
 
 __all__ = ["RepeatChannels", "builtin_models", "create_model"]
 
@@ -106,28 +112,43 @@ def create_model(
         pretrained: load the library's pretrained weights (needs them cached or network access).
 
     Raises:
-        ValueError: an unknown name (with the fix), or a model that cannot take this kind of data.
+        ValueError: an unknown name (with the fix), a model that cannot take this kind of data, or
+            pretrained weights that do not exist (built-ins) or cannot be fetched (offline).
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"model={name!r} must be a non-empty string such as 'resnet18', 'cnn' or 'pkg.mod:factory'.")
     kind = DataKind(kind)
     shape = tuple(input_shape) if input_shape is not None else (in_channels, 32, 32)
-    if name in _BUILTINS:
-        return _BUILTINS[name](shape, num_classes)
     library, _, bare = name.partition(":") if name.startswith(("timm:", "torchvision:")) else ("", "", name)
-    if ":" in bare:
+    if name in _BUILTINS or ":" in bare:
+        if pretrained:
+            raise ValueError(
+                f"model={name!r} has no published pretrained weights (only timm and torchvision models do); "
+                "start from your own with --weights FILE."
+            )
+        if name in _BUILTINS:
+            return _BUILTINS[name](shape, num_classes)
         return _from_factory(bare, in_channels=in_channels, num_classes=num_classes, input_shape=shape)
 
     if library in ("", "timm") and _is_timm(bare):
         _need_images(name, kind)
         import timm
 
-        return timm.create_model(bare, pretrained=pretrained, num_classes=num_classes, in_chans=in_channels)
+        with _offline_hint(name, pretrained):
+            return timm.create_model(bare, pretrained=pretrained, num_classes=num_classes, in_chans=in_channels)
     if library in ("", "torchvision") and _is_torchvision(bare):
         _need_images(name, kind)
         from torchvision import models
 
-        net = models.get_model(bare, weights="DEFAULT" if pretrained else None, num_classes=num_classes)
+        if pretrained:
+            published = len(models.get_model_weights(bare).DEFAULT.meta["categories"])
+            if num_classes != published:
+                raise ValueError(
+                    f"torchvision's pretrained {bare!r} has {published} classes, the data {num_classes}; use the timm "
+                    f"model (--model timm:{bare}), whose pretrained weights get a new classifier, or --weights FILE."
+                )
+        with _offline_hint(name, pretrained):
+            net = models.get_model(bare, weights="DEFAULT" if pretrained else None, num_classes=num_classes)
         if in_channels == 1:
             return nn.Sequential(RepeatChannels(3), net)
         if in_channels != 3:
@@ -140,6 +161,20 @@ def create_model(
         f"model={name!r} is not a built-in ({', '.join(builtin_models())}), a timm or a torchvision model name; "
         "check the spelling (timm.list_models('*pattern*') lists timm's), or pass your own as 'package.module:factory'."
     )
+
+
+@contextlib.contextmanager
+def _offline_hint(name: str, pretrained: bool) -> Iterator[None]:
+    """Turn a failed download of pretrained weights into one line naming ``--weights FILE``."""
+    try:
+        yield
+    except OSError as error:  # huggingface_hub's LocalEntryNotFoundError, urllib's URLError: both OSErrors
+        if not pretrained:
+            raise
+        raise ValueError(
+            f"model={name!r}: could not get its pretrained weights ({first_line(error)}); offline, pass --weights FILE "
+            "instead (FILE: the model's state_dict, saved with torch.save where the network is reachable)."
+        ) from None
 
 
 def _need_images(name: str, kind: DataKind) -> None:

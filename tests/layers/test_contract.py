@@ -93,3 +93,16 @@ def test_gradients_kl_l2_and_revert(family: dict) -> None:
     bayesify.revert(model)
     assert type(model[0]) is family["Dense"] and set(model.state_dict()) == keys
     torch.testing.assert_close(model(x), plain(x))
+
+
+def test_an_unconverted_checkpoint_loads_strictly(family: dict) -> None:
+    # the load pre-hook comes with the contract: a user's family gets it without writing anything
+    plain, model = _fresh(family, components=2)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(1.0)
+    rank1 = {k: v.clone() for k, v in model.state_dict().items() if ".rank1_" in k}
+    assert model.load_state_dict(plain.state_dict(), strict=True).missing_keys == []
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
+    assert all(torch.equal(state[k], v) for k, v in rank1.items())
