@@ -11,7 +11,7 @@ from bayesify.adapter import freeze_base
 from bayesify.config import Rank1Config
 from bayesify.convert import convert, default_mapping, revert
 from bayesify.inspection import is_converted, num_components, rank1_layers, rank1_parameters
-from bayesify.kl import kl_divergence
+from bayesify.kl import kl_divergence, kl_loss
 from bayesify.layers import ConvertedLayer, Rank1Layer
 from bayesify.merge import merge
 from bayesify.mode import mode, predict
@@ -41,6 +41,7 @@ __all__ = [
     "freeze_base",
     "is_converted",
     "kl_divergence",
+    "kl_loss",
     "merge",
     "mode",
     "num_components",

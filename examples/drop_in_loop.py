@@ -50,8 +50,8 @@ def train(net: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epochs: int, baye
         net.train()
         for batch in torch.randperm(len(x), generator=generator).split(64):
             loss = F.cross_entropy(net(x[batch]), y[batch])
-            if bayesian:  # bayesify: the KL term, per training example, warmed up over 2/3 of training
-                loss = loss + bayesify.kl_loss(net, len(x), step=step, warmup_steps=2 * total // 3)
+            if bayesian:  # the KL term per training example, warmed up over 2/3 of training
+                loss = loss + bayesify.kl_loss(net, len(x), step=step, warmup_steps=2 * total // 3)  # bayesify
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -98,7 +98,7 @@ def main() -> None:
         rows[name] = {**test_metrics(net, x_test, y_test), "seconds": seconds}
 
     print(f"sklearn digits, {len(x_train)} train / {len(x_test)} test, {epochs} epochs, the same loop and data order")
-    print(f"{'model':<16}{'NLL':>8}{'accuracy':>10}{'ECE':>8}{'train s':>9}")
+    print(f"{'model':<16}{'NLL':>8}{'accuracy':>10}{'ECE':>8}{'seconds':>9}")
     for name, m in rows.items():
         print(f"{name:<16}{m['nll']:>8.4f}{m['accuracy']:>10.4f}{m['ece']:>8.4f}{m['seconds']:>9.1f}")
 
