@@ -2,7 +2,8 @@
 #   make demo   convert a network, train it briefly on sklearn digits, print deterministic vs rank-1
 #   make test   the test suite (what CI runs)
 #   make sweep  convert + run every timm architecture and torchvision classifier (long)
-#   make bench  speed / memory ratios measured side by side
+#   make bench  speed / memory ratios measured side by side (benchmarks/overhead.py)
+#   make quality  uncertainty quality of every method on every task (benchmarks/quality.py, long)
 #   make test-xla  the torch-xla path on the XLA CPU backend (separate venv: torch-xla pins torch)
 
 PYTHON ?= python3
@@ -13,7 +14,7 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 XLA_VENV ?= .venv-xla
 XLA_SPEC ?= torch==2.9.0 torch_xla==2.9.0 torchvision==0.24.0
 
-.PHONY: install demo test sweep bench test-xla clean
+.PHONY: install demo test sweep bench quality test-xla clean
 
 install: $(VENV)/.installed
 
@@ -34,8 +35,10 @@ sweep: install
 	$(PY) benchmarks/sweep.py --all
 
 bench: install
-	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/overhead.py
+
+quality: install
+	$(PY) benchmarks/quality.py
 
 $(XLA_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(XLA_VENV)
