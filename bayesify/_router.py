@@ -76,6 +76,7 @@ class ForwardState:
     axis: int | None  # batch axis of the inputs (None: one unbatched example)
     members: int  # copies of each example in the routed batch (K * samples when tiled, else 1)
     labels: Tensor | None = None  # a Hugging Face model's `labels` as given (to recompute its loss)
+    fixed_components: tuple[int, ...] | None = None  # the blocks' components when the route fixes them (not sampled)
 
 
 class Routing(NamedTuple):
@@ -84,6 +85,7 @@ class Routing(NamedTuple):
     rows: Tensor  # [n] component of each row
     blocks: tuple[Block, ...] | None = None  # contiguous runs of one component, when the rows run so
     block_components: Tensor | None = None  # [len(blocks)] their components, on the rows' device
+    fixed_components: tuple[int, ...] | None = None  # the same as Python ints, when the route fixes them
 
 
 @dataclass
@@ -151,17 +153,18 @@ class Router:
             # no shared routing exists, so each row gets its own random component
             return Routing(torch.randint(self.components, (n,), device=device))
         rows, blocks, components, total = state.rows, state.blocks, state.block_components, state.rows.shape[0]
+        fixed = state.fixed_components
         if n == total:
-            return Routing(rows, blocks, components)
+            return Routing(rows, blocks, components, fixed)
         if n % total == 0:
             # extra axes folded into the batch, batch-major (e.g. windows): repeat each row's component
             factor = n // total
             scaled = None if blocks is None else tuple((a * factor, b * factor) for a, b in blocks)
-            return Routing(rows[:, None].expand(total, factor).reshape(-1), scaled, components)
+            return Routing(rows[:, None].expand(total, factor).reshape(-1), scaled, components, fixed)
         # a batch-independent input (e.g. a table fed through an MLP): one component for the whole call
         if blocks is None:
             return Routing(rows[:1].expand(n))
-        return Routing(rows[:1].expand(n), ((0, n),), components[:1])
+        return Routing(rows[:1].expand(n), ((0, n),), components[:1], None if fixed is None else fixed[:1])
 
     # ---- hooks on the root module ------------------------------------------------------------
 
@@ -200,7 +203,7 @@ class Router:
             return args, kwargs
         if spec.route is Route.COMPONENT:
             rows = torch.full((batch,), spec.component, dtype=torch.long, device=device)
-            self.state = ForwardState(spec, rows, ((0, batch),), rows[:1], batch, axis, 1)
+            self.state = ForwardState(spec, rows, ((0, batch),), rows[:1], batch, axis, 1, None, (spec.component,))
             return args, kwargs
         # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B); one block per member
         members = self.components * spec.samples
@@ -208,7 +211,8 @@ class Router:
         blocks = tuple((i * batch, (i + 1) * batch) for i in range(members))
         components = member_rows(self.components, spec.samples, device)
         labels = kwargs.get("labels") if isinstance(kwargs.get("labels"), Tensor) else None
-        self.state = ForwardState(spec, rows, blocks, components, batch, axis, members, labels)
+        fixed = tuple(i // spec.samples for i in range(members))
+        self.state = ForwardState(spec, rows, blocks, components, batch, axis, members, labels, fixed)
 
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
         if axes is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -21,6 +22,17 @@ from bayesify.layers.rank1_op import fold_weight, rank1_affine, rank1_folded
 from bayesify.options import Perturbation, Sampling
 
 __all__ = ["Fold", "Rank1Affine"]
+
+
+def _members_fixed(draw: Draw) -> bool:
+    # the posterior means of members the route fixes, outside a traced graph (whose weights are symbolic)
+    return (
+        not draw.noise
+        and draw.fixed_components is not None
+        and draw.blocks is not None
+        and not torch.compiler.is_compiling()
+        and not isinstance(draw.rows, torch._subclasses.FakeTensor)
+    )
 
 
 @dataclass(frozen=True)
@@ -161,6 +173,11 @@ class Rank1Affine(Rank1Layer):
             )
         draw = self.rank1_draw(1 if batch_axis is None else x.shape[batch_axis], x.device)
         additive = self.rank1_config.perturbation is Perturbation.ADDITIVE
+        state = self.rank1_state
+        if torch.is_grad_enabled():
+            state.folded = None  # training again: the members' weights kept for evaluation are stale
+        elif fold is not None and not additive and batch_axis is not None and _members_fixed(draw):
+            return self._rank1_members_folded(x, draw, fold, bias, batch_axis)
         if fold is not None and not additive and batch_axis is not None and self._rank1_folds(draw, x, fold.weight):
             offset = None if self.rank1_bias is None else draw.gather_blocks(self.rank1_bias)
             if bias is not None:  # one row per block (a bias given by the caller, e.g. SwinV2's q/k/v biases)
@@ -185,6 +202,27 @@ class Rank1Affine(Rank1Layer):
             channel_axis=channel_axis,
             core_bias=bias if core_adds_bias else None,
         )
+
+    def _rank1_members_folded(self, x: Tensor, draw: Draw, fold: Fold, bias: Tensor | None, batch_axis: int) -> Tensor:
+        """Evaluation at the posterior means (no noise, no gradients, the route fixes each block's component):
+        every member is the original map with its own folded weight, the K weights folded once and kept
+        until a weight or a factor changes (``_version``), so the mixture costs the original network at K*B."""
+        state = self.rank1_state
+        key = (id(fold.weight), fold.weight._version, self.rank1_s.loc._version, self.rank1_r.loc._version,
+               fold.weight.dtype, fold.weight.device)  # fmt: skip
+        if state.folded is None or state.folded[0] != key:
+            s, r = self.rank1_s.loc, self.rank1_r.loc
+            weights = [fold_weight(fold.weight, r[k], s[k], groups=fold.groups, transposed=fold.transposed)
+                       for k in range(self.rank1_config.components)]  # fmt: skip
+            state.folded = (key, weights)
+        weights = state.folded[1]
+        outputs = []
+        for (start, stop), k in zip(draw.blocks, draw.fixed_components):
+            offset = None if self.rank1_bias is None else self.rank1_bias[k]
+            if bias is not None:
+                offset = bias if offset is None else bias + offset
+            outputs.append(fold.apply(x.narrow(batch_axis, start, stop - start), weights[k], offset))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, batch_axis)
 
     def _rank1_folds(self, draw: Draw, x: Tensor, weight: Tensor) -> bool:
         """Whether this call runs folded: blocked rows, and (``sampling='auto'``) the folded path moves

@@ -86,13 +86,14 @@ class LayerState:
     bias_offsets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # rank1_bias*: the biases it offsets
     busy: bool = False  # inside the base class's own forward: its weight reads are plain
     cache: Any = None  # per-forward draws held across calls (recurrent layers)
+    folded: Any = None  # evaluation without noise: the K members' folded weights, kept while the weights are unchanged
     bypassed_by: set[str] = field(default_factory=set)  # functions that used the weight directly (summary)
     intercepted_by: str | None = None  # the last function whose use of the weight was routed here
     load_hook: int | None = None  # id of the load_state_dict pre-hook in the layer's hook dict (revert removes it)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["cache"] = None  # draws of the last forward pass are not state
+        state["cache"] = state["folded"] = None  # draws of the last forward pass and derived weights are not state
         return state
 
 
@@ -111,6 +112,7 @@ class Draw:
     blocks: tuple[Block, ...] | None = None
     block_components: Tensor | None = None
     per_block: bool = False  # one sample per block on the per-row path too (sampling='component')
+    fixed_components: tuple[int, ...] | None = None  # the blocks' components as ints, when the route fixes them
 
     def sample(self, *factors: Rank1Factor) -> Tensor | list[Tensor]:
         """One value of each factor per row, ``[n, features]``, from each row's component (a list for
@@ -285,7 +287,9 @@ class ConvertedLayer(nn.Module):
         state = self.rank1_state
         routing = state.router.rows_for(n, device)
         per_block = state.config.sampling is Sampling.COMPONENT
-        return Draw(routing.rows, state.router.noise, routing.blocks, routing.block_components, per_block)
+        return Draw(
+            routing.rows, state.router.noise, routing.blocks, routing.block_components, per_block, routing.fixed_components
+        )
 
     def rank1_factor(self, features: int, config: Rank1Config | None = None) -> Rank1Factor:
         """A new factor of ``features`` entries (K components), on this layer's device and dtype."""

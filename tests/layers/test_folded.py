@@ -161,3 +161,32 @@ def test_component_sampling_draws_one_sample_per_block() -> None:
         out = layer(x).view(4, 2, 4)  # 4 members (2 components x 2 samples), 2 identical examples each
     torch.testing.assert_close(out[:, 0], out[:, 1])  # one network per member
     assert not torch.allclose(out[0], out[1])  # two samples of component 0 differ
+
+
+def test_evaluation_at_the_means_folds_each_member_once_and_follows_weight_changes() -> None:
+    """No noise, no gradients, members fixed by the route: the K folded weights are kept across calls and
+    refolded when a weight or a factor changes in place (an optimizer step, load_state_dict)."""
+    folded, reference = _pair(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 5 * 5, 3)))
+    x = torch.randn(5, 3, 7, 7, dtype=DT)
+    folded.eval()
+    reference.eval()
+
+    def members(model: nn.Module) -> torch.Tensor:
+        with torch.no_grad(), bayesify.mode(model, route="tile", noise=False):
+            return model(x)
+
+    first = members(folded)
+    kept = folded[0].rank1_state.folded
+    assert kept is not None and len(kept[1]) == K
+    torch.testing.assert_close(first, members(reference))
+    assert folded[0].rank1_state.folded is kept  # reused by the next call
+    members(folded)
+    assert folded[0].rank1_state.folded is kept
+    for model in (folded, reference):  # an in-place change of a factor and of a weight
+        with torch.no_grad():
+            model[0].rank1_s.loc.mul_(1.5)
+            model[3].weight.add_(0.1)
+    torch.testing.assert_close(members(folded), members(reference))
+    assert folded[0].rank1_state.folded is not kept
+    folded.train()(x).sum().backward()  # training drops what evaluation kept
+    assert folded[0].rank1_state.folded is None
