@@ -50,7 +50,7 @@ class RouteSpec:
     """What one forward pass does: route, noise, samples per component, task (for the mixture), component."""
 
     route: Route | None = None  # None: the default for the model's train/eval state
-    noise: bool = True
+    noise: bool | None = None  # None: the default for the model's train/eval state
     samples: int = 1
     task: Task | None = None  # None: the model's
     component: int | None = None
@@ -119,7 +119,13 @@ class Router:
         spec = self.overrides[-1] if self.overrides else RouteSpec()
         if spec.route is None:
             spec = replace(spec, route=Route.SAMPLE if training else Route.MIXTURE)
+        if spec.noise is None:
+            spec = replace(spec, noise=self.default_noise(training))
         return spec
+
+    def default_noise(self, training: bool) -> bool:
+        """Sample the factors unless told otherwise: always in training; in evaluation as ``eval_noise`` says."""
+        return True if training else self.config.eval_noise
 
     @property
     def tiles(self) -> int:

@@ -20,7 +20,7 @@ def mode(
     model: nn.Module,
     route: Route | str | None = None,
     *,
-    noise: bool = True,
+    noise: bool | None = None,
     samples: int = 1,
     task: Task | str | Any = None,
     class_axis: int | None = None,
@@ -36,7 +36,9 @@ def mode(
             member-major: row ``k*samples*B + m*B + b``), ``"mixture"`` (as tile, reduced to
             the mixture predictive; the evaluation default), ``"component"`` (all examples
             through ``component``), or None to keep the train/eval default.
-        noise: sample r and s from the posterior (True) or use the posterior locations.
+        noise: sample r and s from the posterior (True) or use the posterior locations (False); default:
+            always sampled in training, in evaluation as the conversion's ``eval_noise`` says (the
+            posterior means unless it is True).
         samples: samples per component for ``tile`` / ``mixture`` (M in K x M).
         task: for ``mixture``: what the output means (see :mod:`bayesify.tasks`); default: the
             conversion's. ``class_axis`` goes with ``task="classification"``.
@@ -60,8 +62,8 @@ def mode(
         raise ValueError(f"component={component!r} only applies to route='component', not route={route!s}.")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples={samples!r} must be an integer >= 1 (samples per mixture component).")
-    if not isinstance(noise, bool):
-        raise TypeError(f"noise={noise!r} must be True or False.")
+    if noise is not None and not isinstance(noise, bool):
+        raise TypeError(f"noise={noise!r} must be True, False or None (the model's default).")
     if reduction is not None:
         from bayesify.config import _task_of_reduction
 
@@ -85,7 +87,8 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
     Args:
         samples: posterior samples per component (M).
         noise: sample the factors (True) or use the posterior means (False); default: what an
-            enclosing ``mode(model, noise=...)`` says, else True.
+            enclosing ``mode(model, noise=...)`` says; else sampled when ``samples > 1`` (M samples of
+            one mean would be M copies), else the model's default for its train / eval state.
 
     Returns:
         The model's output structure with a member axis in front of every batched tensor:
@@ -98,7 +101,9 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
     """
     router = find_router(model)
     if noise is None:
-        noise = router.overrides[-1].noise if router.overrides else True
+        noise = router.overrides[-1].noise if router.overrides else None
+    if noise is None:
+        noise = True if samples > 1 else router.default_noise(_training(model))
     with torch.no_grad():
         if args and _is_example_list(args[0]):
             outputs = []
@@ -110,3 +115,9 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
         with mode(model, Route.TILE, samples=samples, noise=noise):
             output = model(*args, **kwargs)
     return split_output(model, output)
+
+
+def _training(model: nn.Module) -> bool:
+    from bayesify._router import find_root
+
+    return find_root(model).training

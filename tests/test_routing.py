@@ -74,7 +74,10 @@ def test_mode_noise_false_is_deterministic_and_nested_modes_restore() -> None:
         c = net(x)
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(a, c)
-    assert not torch.allclose(net(x), net(x))  # the default evaluation samples, like the reference
+    torch.testing.assert_close(net(x), a)  # the default evaluation is the mixture of the K posterior means
+    sampled = bayesify.revert(net)
+    bayesify.convert(sampled, components=3, init_std=0.3, task="classification", eval_noise=True)
+    assert not torch.allclose(sampled(x), sampled(x))  # eval_noise=True samples, like the reference
 
 
 def test_mode_overrides_training_default() -> None:
