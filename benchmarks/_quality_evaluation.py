@@ -10,6 +10,7 @@ averages over the shifted sets (cNLL, cRMSE, cCoverage).
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Callable
 
@@ -23,7 +24,10 @@ __all__ = ["evaluate_members"]
 
 # metrics averaged over the shifted sets, by task kind: (clean name, shifted name)
 SHIFTED = {
-    "classification": (("nll", "c_nll"), ("accuracy", "c_accuracy"), ("ece", "c_ece"), ("brier", "c_brier")),
+    "classification": (
+        ("nll", "c_nll"), ("accuracy", "c_accuracy"), ("ece", "c_ece"), ("brier", "c_brier"),
+        ("overconfidence", "c_overconfidence"),
+    ),  # fmt: skip
     REGRESSION: (("nll", "c_nll"), ("rmse", "c_rmse"), ("coverage", "c_coverage")),
 }
 
@@ -35,6 +39,9 @@ def _metrics(members: Tensor, y: Tensor, task: Task, components: int) -> dict[st
     with_members = components > 1 and log_probs.shape[0] % components == 0
     out = compute_metrics(log_probs, y, components=components if with_members else 1, members=with_members)
     flat = {k: float(v) for k, v in out.items() if isinstance(v, (int, float))}
+    # signed miscalibration: mean top-1 confidence minus accuracy (> 0: overconfident)
+    confidence = (log_probs.logsumexp(0) - math.log(len(log_probs))).exp().max(-1).values.mean()
+    flat["overconfidence"] = float(confidence) - flat["accuracy"]
     if "diversity" in out:
         flat["disagreement"] = out["diversity"]["disagreement"]
     return flat

@@ -43,12 +43,17 @@ COMPONENTS = 4
 LOG_VAR_RANGE = (-12.0, 8.0)
 
 
-def likelihood_loss(outputs: Tensor, y: Tensor, task: Task) -> Tensor:
-    """Mean NLL of a batch: cross-entropy, or Gaussian NLL of a (mean, log variance) head."""
+def log_likelihood(outputs: Tensor, y: Tensor, task: Task) -> Tensor:
+    """Per-row log-likelihood: log softmax of the label, or a Gaussian (mean, log variance) head's density."""
     if task.kind == REGRESSION:
         mean, log_var = outputs[:, 0], outputs[:, 1].clamp(*LOG_VAR_RANGE)
-        return 0.5 * (log_var + (y - mean) ** 2 / log_var.exp() + math.log(2 * math.pi)).mean()
-    return F.cross_entropy(outputs, y)
+        return -0.5 * (log_var + (y - mean) ** 2 / log_var.exp() + math.log(2 * math.pi))
+    return -F.cross_entropy(outputs, y, reduction="none")
+
+
+def likelihood_loss(outputs: Tensor, y: Tensor, task: Task) -> Tensor:
+    """Mean NLL of a batch: cross-entropy, or Gaussian NLL of a (mean, log variance) head."""
+    return -log_likelihood(outputs, y, task).mean()
 
 
 def _batched(model_fn: Any, x: Tensor, chunk: int = 500) -> Tensor:
@@ -166,17 +171,21 @@ class Rank1(Method):
     ``convert_kwargs`` go to ``bayesify.convert``; ``route="tile"`` trains the paper's layout
     (labels tiled K times, the mean per-component NLL); ``kl_mean_over_components`` divides the
     KL by K as well (the bound on the KL of the uniform mixture, instead of the reference's sum);
-    ``factor_lr`` multiplies the learning rate of ``bayesify.rank1_parameters``; ``samples`` is M.
+    ``factor_lr`` multiplies the learning rate of ``bayesify.rank1_parameters``; ``samples`` is M;
+    ``likelihood="mixture"`` (tile route only) trains ``-log mean_k p(y | x, k)`` instead of the
+    mean over components of ``-log p(y | x, k)``.
     """
 
     key: str = "rank1"
     label: str = "rank-1 Normal (defaults, sample route)"
     convert_kwargs: dict[str, Any] = field(default_factory=dict)
     route: str = "sample"
+    likelihood: str = "average"
     kl_mean_over_components: bool = False
     kl_scale: float = 1.0
     factor_lr: float = 1.0
     samples: int = 4
+    eval_noise: bool = True  # False: the K posterior means (no sampling) at evaluation
     from_pretrained: bool = False
     factors_only: bool = False
 
@@ -201,9 +210,14 @@ class Rank1(Method):
 
     def loss(self, part: nn.Module, x: Tensor, y: Tensor, task: Task, kl_weight: float) -> Tensor:
         if self.route == "tile":
+            k = bayesify.num_components(part)
             with bayesify.mode(part, route="tile"):
                 out = part(x)  # [K*B, ...], member-major
-            nll = likelihood_loss(out, y.repeat(bayesify.num_components(part)), task)
+            log_lik = log_likelihood(out, y.repeat(k), task).view(k, -1)
+            if self.likelihood == "mixture":
+                nll = -(torch.logsumexp(log_lik, 0) - math.log(k)).mean()
+            else:
+                nll = -log_lik.mean()
         else:
             nll = likelihood_loss(part(x), y, task)
         kl = bayesify.kl_divergence(part) / task.num_train
@@ -212,8 +226,8 @@ class Rank1(Method):
         return nll + kl_weight * self.kl_scale * kl
 
     def members(self, model: nn.Module, x: Tensor, task: Task) -> Tensor:
-        samples = 1 if self.convert_kwargs.get("posterior") == "delta" else self.samples
-        return _batched(lambda v: bayesify.predict(model.eval(), v, samples=samples), x)
+        samples = 1 if self.convert_kwargs.get("posterior") == "delta" or not self.eval_noise else self.samples
+        return _batched(lambda v: bayesify.predict(model.eval(), v, samples=samples, noise=self.eval_noise), x)
 
     def components(self, model: nn.Module) -> int:
         return bayesify.num_components(model)

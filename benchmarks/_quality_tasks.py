@@ -20,6 +20,7 @@ same architecture).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 
 from benchmarks._quality_shifts import ShiftedSet, image_shifts, signal_shifts, table_shifts
 
-__all__ = ["TASKS", "Task", "build_task"]
+__all__ = ["TASKS", "Scale", "Task", "build_task", "validation_view"]
 
 CLASSIFICATION, REGRESSION = "classification", "regression"
 
@@ -49,7 +50,7 @@ class Task:
     y_val: Tensor
     x_test: Tensor
     y_test: Tensor
-    make_shifts: Callable[[], list[ShiftedSet]]
+    make_shifts: Callable[[Tensor], list[ShiftedSet]]  # clean inputs -> their shifted copies
     epochs: int
     batch_size: int
     lr_grid: tuple[float, ...]
@@ -76,7 +77,7 @@ class Task:
     def shifts(self) -> list[ShiftedSet]:
         """The shifted test sets, made once per run (the same tensors for every method and seed)."""
         if self._shifts is None:
-            sets = self.make_shifts()
+            sets = self.make_shifts(self.x_test)
             if self.max_shifts is not None and len(sets) > self.max_shifts:
                 sets = sets[:: math.ceil(len(sets) / self.max_shifts)]
             self._shifts = sets
@@ -181,7 +182,7 @@ def _digits_like(name: str, scale: Scale, finetune: bool) -> Task:
     x_tr, y_tr = _subset(x_tr, y_tr, scale.max_train)
     x_te, y_te = _subset(bundle.test.inputs, bundle.test.labels, scale.max_test)
     kwargs = {} if scale.image_corruptions is None else {"corruptions": scale.image_corruptions}
-    shifts = lambda: image_shifts(x_te, cache_dir=scale.cache_dir, **kwargs)  # noqa: E731
+    shifts = lambda x: image_shifts(x, cache_dir=scale.cache_dir, **kwargs)  # noqa: E731
     epochs = max(1, round(30 * scale.epochs))
     task = Task(
         name, CLASSIFICATION, lambda p: _digits_cnn(mean, std, p), x_tr, y_tr, x_val, y_val, x_te, y_te, shifts,
@@ -209,7 +210,7 @@ def _mnist1d(name: str, scale: Scale, recurrent: bool) -> Task:
     x_te, y_te = _subset(bundle.test.inputs, bundle.test.labels, scale.max_test)
     net = (lambda p: SignalGRU(p)) if recurrent else _signal_cnn
     return Task(
-        name, CLASSIFICATION, net, x_tr, y_tr, x_val, y_val, x_te, y_te, lambda: signal_shifts(x_te, train_sd),
+        name, CLASSIFICATION, net, x_tr, y_tr, x_val, y_val, x_te, y_te, lambda x: signal_shifts(x, train_sd),
         epochs=max(1, round(30 * scale.epochs)), batch_size=64, lr_grid=(5e-4, 1e-3, 2e-3, 4e-3),
         description="MNIST-1D, " + ("Conv1d stem + GRU 32" if recurrent else "Conv1d net") + ", 5 signal corruptions x 5",
     )  # fmt: skip
@@ -238,7 +239,7 @@ def _table(name: str, scale: Scale, regression: bool) -> Task:
     outputs = 2  # two logits, or (mean, log variance)
     return Task(
         name, REGRESSION if regression else CLASSIFICATION, lambda p: _mlp(x.shape[1], outputs, p),
-        x_tr, y_tr, x_val, y_val, x_te, y_te, lambda: table_shifts(x_te),
+        x_tr, y_tr, x_val, y_val, x_te, y_te, table_shifts,
         epochs=max(1, round(100 * scale.epochs)), batch_size=32, lr_grid=(5e-4, 1e-3, 2e-3, 4e-3),
         description=("sklearn diabetes regression, MLP with a Gaussian head" if regression
                      else "sklearn breast cancer (binary), MLP") + ", 3 feature corruptions x 5",
@@ -254,6 +255,14 @@ TASKS: dict[str, Callable[[Scale], Task]] = {
     "diabetes": lambda s: _table("diabetes", s, regression=True),
     "digits-finetune": lambda s: _digits_like("digits-finetune", s, finetune=True),
 }
+
+
+def validation_view(task: Task) -> Task:
+    """The task with its validation split in the place of the test set (and shifted copies of it).
+
+    For studies that choose settings: they never see the test set.
+    """
+    return dataclasses.replace(task, x_test=task.x_val, y_test=task.y_val, _shifts=None)
 
 
 def build_task(name: str, scale: Scale) -> Task:

@@ -11,9 +11,10 @@ a linear warm-up of its weight over the first 2/3 of the steps. Methods and task
 ``_quality_methods.py`` and ``_quality_tasks.py``.
 
 Tuning budget (validation split carved from the training set; the test set is never used):
-each method gets the same 4 training runs (tuning seed 100). A method without a knob of its own
-picks the learning rate from the task's 4-value grid; MC dropout spends its 4 runs on 2
-learning rates (the grid's 2nd and 4th) x 2 dropout rates. The choice minimises the validation
+each method gets the same number of training runs (``--budget``, default 4; tuning seed 100). A
+method without a knob of its own picks the learning rate from the task's 4-value grid; MC
+dropout spends its 4 runs on 2 learning rates (the grid's 2nd and 4th) x 2 dropout rates. With
+``--budget 2``: the grid's 2nd and 4th learning rates, or the 3rd with the 2 dropout rates. The choice minimises the validation
 NLL of the method's own predictive. Temperature scaling and the deep ensemble are made of the
 deterministic run (its learning rate; T is fitted on the validation split). ``--budget 1``
 skips tuning (every method at the grid's 3rd learning rate).
@@ -123,13 +124,19 @@ def validation_nll(method: Method, model: nn.Module, task: Task) -> float:
 
 
 def grid(method: Method, task: Task, budget: int) -> list[dict[str, Any]]:
-    """The configurations a method may try within the budget (see the module docstring)."""
+    """The configurations a method tries within the budget (see the module docstring).
+
+    4 runs: a method without a knob tries the 4 learning rates of the task's grid; one with a knob
+    tries the 2nd and 4th learning rates x its 2 knob values. 2 runs: the 2nd and 4th learning
+    rates; or the 3rd x 2 knob values. 1 run: the 3rd learning rate (and the first knob value).
+    """
     lrs = task.lr_grid
-    if budget <= 1:
-        return [{"lr": lrs[2], "knob": method.knob_values[0] if method.knob else None}]
-    if method.knob:
-        return [{"lr": lr, "knob": v} for lr in (lrs[1], lrs[3]) for v in method.knob_values][:budget]
-    return [{"lr": lr, "knob": None} for lr in lrs][:budget]
+    knobs = method.knob_values if method.knob else (None,)
+    if budget < len(knobs) or budget <= 1:
+        return [{"lr": lrs[2], "knob": knobs[0]}]
+    per_knob = budget // len(knobs)
+    chosen = {1: [lrs[2]], 2: [lrs[1], lrs[3]]}.get(per_knob, list(lrs[:per_knob]))
+    return [{"lr": lr, "knob": v} for lr in chosen for v in knobs]
 
 
 def tune(method: Method, task: Task, budget: int, trained_tuning: dict, log: Any) -> dict[str, Any]:
