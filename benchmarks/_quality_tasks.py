@@ -12,6 +12,7 @@ trained on the rest. The test set is touched only by the final evaluation.
 | ``breast-cancer`` | sklearn (318 / 80 / 171), standardised | MLP 64-64, 2 logits | 3 feature corruptions x 5 |
 | ``diabetes`` | sklearn regression (247 / 62 / 133), x and y standardised | MLP 64-64, (mean, log variance) | 3 feature corruptions x 5 |
 | ``digits-finetune`` | digits: pre-train on half of train, fine-tune on the other half | the digits CNN | as ``digits`` |
+| ``digits-resnet`` | digits; not in the default list (the depth check of ``rank1_defaults.py``) | stem + 6 residual blocks with BatchNorm: 14 rank-1 layers | as ``digits`` |
 
 MC dropout is the one method whose network differs: ``make_net(p)`` puts ``nn.Dropout(p)`` after
 every hidden activation (p = 0 gives ``nn.Identity``, so every other method runs exactly the
@@ -32,7 +33,7 @@ from torch import Tensor, nn
 
 from benchmarks._quality_shifts import ShiftedSet, image_shifts, signal_shifts, table_shifts
 
-__all__ = ["TASKS", "Scale", "Task", "build_task", "validation_view"]
+__all__ = ["DEFAULT_TASKS", "TASKS", "Scale", "Task", "build_task", "validation_view"]
 
 CLASSIFICATION, REGRESSION = "classification", "regression"
 
@@ -109,6 +110,29 @@ def _digits_cnn(mean: float, std: float, p: float) -> nn.Module:
     )  # fmt: skip
 
 
+class _Block(nn.Module):
+    def __init__(self, channels: int, p: float) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+        )  # fmt: skip
+        self.drop = _drop(p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(torch.relu(x + self.body(x)))
+
+
+def _digits_resnet(mean: float, std: float, p: float, blocks: int = 6, channels: int = 32) -> nn.Module:
+    """A deeper net for the depth question: stem + ``blocks`` residual blocks (2 convs each, BatchNorm) + fc."""
+    return nn.Sequential(
+        Standardize(mean, std),
+        nn.Conv2d(1, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
+        *[_Block(channels, p) for _ in range(blocks)],
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10),
+    )  # fmt: skip
+
+
 def _signal_cnn(p: float) -> nn.Module:
     return nn.Sequential(
         nn.Conv1d(1, 32, 5, padding=2), nn.ReLU(), _drop(p),
@@ -175,7 +199,7 @@ def _bundle(name: str) -> object:
     return load_data(name)  # MNIST-1D is generated (seconds): once per process
 
 
-def _digits_like(name: str, scale: Scale, finetune: bool) -> Task:
+def _digits_like(name: str, scale: Scale, finetune: bool, deep: bool = False) -> Task:
     bundle = _bundle("digits")
     x_tr, y_tr, x_val, y_val = _carve(bundle.train.inputs, bundle.train.labels, stratify=True)
     mean, std = float(x_tr.mean()), float(x_tr.std())
@@ -185,7 +209,7 @@ def _digits_like(name: str, scale: Scale, finetune: bool) -> Task:
     shifts = lambda x: image_shifts(x, cache_dir=scale.cache_dir, **kwargs)  # noqa: E731
     epochs = max(1, round(30 * scale.epochs))
     task = Task(
-        name, CLASSIFICATION, lambda p: _digits_cnn(mean, std, p), x_tr, y_tr, x_val, y_val, x_te, y_te, shifts,
+        name, CLASSIFICATION, lambda p: (_digits_resnet if deep else _digits_cnn)(mean, std, p), x_tr, y_tr, x_val, y_val, x_te, y_te, shifts,
         epochs=epochs, batch_size=64, lr_grid=(5e-4, 1e-3, 2e-3, 4e-3),
         description="sklearn digits 8x8, small CNN, 15 ImageNet-C corruptions x 5 severities",
     )  # fmt: skip
@@ -254,7 +278,10 @@ TASKS: dict[str, Callable[[Scale], Task]] = {
     "breast-cancer": lambda s: _table("breast-cancer", s, regression=False),
     "diabetes": lambda s: _table("diabetes", s, regression=True),
     "digits-finetune": lambda s: _digits_like("digits-finetune", s, finetune=True),
+    # not in quality.py's default list: the depth check of the defaults study (14 rank-1 layers)
+    "digits-resnet": lambda s: _digits_like("digits-resnet", s, finetune=False, deep=True),
 }
+DEFAULT_TASKS = ("digits", "mnist1d-conv", "mnist1d-gru", "breast-cancer", "diabetes", "digits-finetune")
 
 
 def validation_view(task: Task) -> Task:

@@ -49,7 +49,7 @@ from bayesify.evaluation.metrics import member_log_probs_from_logits, negative_l
 from benchmarks._quality_evaluation import evaluate_members  # noqa: E402
 from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, likelihood_loss  # noqa: E402
 from benchmarks._quality_report import write_report  # noqa: E402
-from benchmarks._quality_tasks import REGRESSION, TASKS, Scale, Task, build_task  # noqa: E402
+from benchmarks._quality_tasks import DEFAULT_TASKS, REGRESSION, TASKS, Scale, Task, build_task  # noqa: E402
 from benchmarks._regression_metrics import gaussian_mixture_metrics  # noqa: E402
 
 KL_WARMUP = 2 / 3  # fraction of the steps over which the KL weight rises linearly from 0 to 1
@@ -202,7 +202,7 @@ def run_task(task: Task, methods: list[Method], seeds: list[int], budget: int, l
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=list(TASKS))
     every = [m.key for m in METHODS + FINETUNE_METHODS]
     parser.add_argument("--methods", nargs="+", default=None, choices=every, help="default: all of a task's")
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1")

@@ -38,9 +38,9 @@ if __package__ in (None, ""):
 
 import bayesify  # noqa: E402
 from benchmarks._quality_evaluation import evaluate_members  # noqa: E402
-from benchmarks._quality_methods import METHODS, Method, Rank1  # noqa: E402
+from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, Rank1  # noqa: E402
 from benchmarks._quality_tasks import Scale, Task, build_task, validation_view  # noqa: E402
-from benchmarks.quality import DEFAULT_CACHE, fit  # noqa: E402
+from benchmarks.quality import DEFAULT_CACHE, fit, pretrain  # noqa: E402
 
 # the named recipes of the study (see /work/notes/defaults.md for what each tests)
 RECIPES: dict[str, dict[str, Any]] = {
@@ -60,11 +60,21 @@ RECIPES: dict[str, dict[str, Any]] = {
     "r1-p0.2-kl0-tile": {"convert": {"prior_std": 0.2, "init_std": 0.2}, "route": "tile"},
     "r1-p0.2-kl0-mix": {"convert": {"prior_std": 0.2, "init_std": 0.2}, "route": "tile", "likelihood": "mixture"},
     "r1-p0.2-kl0-n0.3": {"convert": {"prior_std": 0.2, "init_std": 0.2, "init": "normal", "init_mean_std": 0.3}},
+    # experiment 4: r1-prior0.2-kl0 again under a new name (exp. 2 ran before the [means] rows were logged),
+    # and the depth check on digits-resnet
+    "r1-p0.2-kl0": {"convert": {"prior_std": 0.2, "init_std": 0.2}},
+    # experiment 5: fine-tuning a pre-trained net (digits-finetune; identity at init in the means)
+    "ft-r1-default": {"from_pretrained": True},
+    "ft-r1-kl0": {"from_pretrained": True, "convert": {"init_std": 0.1}},
+    "ft-r1-p0.2-kl0": {"from_pretrained": True, "convert": {"prior_std": 0.2, "init_std": 0.2}},
+    "ft-r1f-default": {"from_pretrained": True, "factors_only": True},
+    "ft-r1f-p0.2-kl0": {"from_pretrained": True, "factors_only": True, "convert": {"prior_std": 0.2, "init_std": 0.2}},
 }
 
 
 def rank1_from_recipe(name: str, recipe: dict[str, Any]) -> Rank1:
-    known = {"convert", "route", "likelihood", "kl_mean_over_components", "kl_scale", "factor_lr", "samples", "lr"}
+    known = {"convert", "route", "likelihood", "kl_mean_over_components", "kl_scale", "factor_lr", "samples", "lr",
+             "from_pretrained", "factors_only"}  # fmt: skip
     unknown = set(recipe) - known
     if unknown:
         raise ValueError(f"recipe {name!r} has unknown keys {sorted(unknown)}; known: {sorted(known)}.")
@@ -73,6 +83,7 @@ def rank1_from_recipe(name: str, recipe: dict[str, Any]) -> Rank1:
         likelihood=recipe.get("likelihood", "average"),
         kl_mean_over_components=recipe.get("kl_mean_over_components", False), kl_scale=recipe.get("kl_scale", 1.0),
         factor_lr=recipe.get("factor_lr", 1.0), samples=recipe.get("samples", 4),
+        from_pretrained=recipe.get("from_pretrained", False), factors_only=recipe.get("factors_only", False),
     )  # fmt: skip
 
 
@@ -95,13 +106,14 @@ def diagnostics(model: torch.nn.Module, num_train: int) -> dict[str, float]:
 def run_one(method: Method, recipe: dict[str, Any], task: Task, seed: int, lr: float) -> dict:
     config = {"lr": recipe.get("lr", lr), "knob": recipe.get("knob", method.knob_values[0] if method.knob else None)}
     record: dict[str, Any] = {"task": task.name, "seed": seed, "config": config}
+    trained: dict[str, Any] = {}
+    if task.finetune and seed not in task.pretrained:
+        task.pretrained[seed] = pretrain(task, seed, task.pretrain_lr)
     if isinstance(method, Rank1):
         torch.manual_seed(seed)
-        fresh = method.build(task, None, seed)
-        record["init"] = diagnostics(fresh, task.num_train)
-    trained: dict[str, Any] = {}
+        record["init"] = diagnostics(method.build(task, None, seed), task.num_train)
     if method.builds_on:
-        base = next(m for m in METHODS if m.key == method.builds_on)
+        base = next(m for m in METHODS + FINETUNE_METHODS if m.key == method.builds_on)
         trained[base.key] = fit(base, task, config, seed, {}, task.x_train, task.y_train)
     model, seconds = fit(method, task, config, seed, trained, task.x_train, task.y_train)
     record["train_s"] = seconds
@@ -115,24 +127,52 @@ def run_one(method: Method, recipe: dict[str, Any], task: Task, seed: int, lr: f
     return record
 
 
-def summarize(log: Path, tasks: list[str] | None, variants: list[str] | None) -> str:
+def ece_floor(task: Task, seeds: int, lr: float, draws: int = 200) -> str:
+    """The deterministic net's validation ECE next to the ECE a perfectly calibrated model would show.
+
+    Labels drawn from the net's own probabilities make it calibrated by construction; the mean
+    ECE over ``draws`` such label sets is the estimator's floor for those confidences and N.
+    """
+    from bayesify.evaluation.metrics import expected_calibration_error
+
+    lines = []
+    det = Method()
+    for seed in range(seeds):
+        model, _ = fit(det, task, {"lr": lr}, seed, {}, task.x_train, task.y_train)
+        probs = det.members(model, task.x_val, task)[0].softmax(-1)
+        generator = torch.Generator().manual_seed(0)
+        floor = statistics.fmean(
+            float(expected_calibration_error(probs, torch.multinomial(probs, 1, generator=generator).squeeze(1)))
+            for _ in range(draws)
+        )
+        observed = float(expected_calibration_error(probs, task.y_val))
+        lines.append(f"| {task.name} | {seed} | {observed:.4f} | {floor:.4f} |")
+    return "\n".join(lines)
+
+
+def summarize(log: Path, tasks: list[str] | None, variants: list[str] | None, means_rows: bool = True) -> str:
     """Markdown tables, one per task: mean +- std over seeds of the validation metrics, per variant."""
     rows: dict[tuple[str, str], list[dict]] = {}
     for line in log.read_text().splitlines():
         r = json.loads(line)
         if (tasks is None or r["task"] in tasks) and (variants is None or r["variant"] in variants):
             rows.setdefault((r["task"], r["variant"]), []).append(r)
+            if means_rows and "eval_means" in r:  # the same nets evaluated with their K posterior means
+                rows.setdefault((r["task"], r["variant"] + " [means]"), []).append(
+                    {**r["eval_means"], "train_s": r["train_s"], "end": r["end"], "init": r["init"]}
+                )
     out = []
     for task in dict.fromkeys(t for t, _ in rows):
         base = rows.get((task, "deterministic"))
         ref = {k: statistics.fmean(r[k] for r in base) for k in ("nll", "ece", "c_nll")} if base else {}
         out += [f"### {task} (validation split)", "",
                 "| variant | seeds | NLL | acc | ECE | cNLL | cA | cECE | conf-acc | disagree | KL/N init->end | scale end "
-                "| means only: NLL / ECE / cNLL | train s |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                "| train s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for (t, variant), runs in rows.items():
             if t != task:
                 continue
+            base_variant = variant.removesuffix(" [means]")
 
             def cell(key: str, digits: int = 4) -> str:
                 values = [r[key] for r in runs if key in r]
@@ -140,7 +180,7 @@ def summarize(log: Path, tasks: list[str] | None, variants: list[str] | None) ->
                     return "-"
                 mean = statistics.fmean(values)
                 std = statistics.stdev(values) if len(values) > 1 else 0.0
-                rel = f" ({100 * (mean / ref[key] - 1):+.0f}%)" if key in ref and variant != "deterministic" else ""
+                rel = f" ({100 * (mean / ref[key] - 1):+.0f}%)" if key in ref and base_variant != "deterministic" else ""
                 return f"{mean:.{digits}f} +- {std:.{digits}f}{rel}"
 
             def diag(stage: str, key: str) -> float:
@@ -148,11 +188,10 @@ def summarize(log: Path, tasks: list[str] | None, variants: list[str] | None) ->
                 return statistics.fmean(values) if values else math.nan
 
             kl = f"{diag('init', 'kl_per_example'):.2f} -> {diag('end', 'kl_per_example'):.2f}"
-            means = " / ".join(f"{diag('eval_means', k):.4f}" for k in ("nll", "ece", "c_nll"))
             out.append(
                 f"| {variant} | {len(runs)} | {cell('nll')} | {cell('accuracy', 3)} | {cell('ece')} | {cell('c_nll', 3)} | "
                 f"{cell('c_accuracy', 3)} | {cell('c_ece')} | {cell('overconfidence')} | {cell('disagreement', 3)} | {kl} | "
-                f"{diag('end', 'scale_mean'):.3f} | {means} | {statistics.fmean(r['train_s'] for r in runs):.1f} |"
+                f"{diag('end', 'scale_mean'):.3f} | {statistics.fmean(r['train_s'] for r in runs):.1f} |"
             )
         out.append("")
     return "\n".join(out)
@@ -167,14 +206,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--log", type=Path, default=Path("/work/notes/defaults_runs.jsonl"))
     parser.add_argument("--summary", action="store_true", help="print the tables of the log and exit")
+    parser.add_argument("--ece-floor", action="store_true", help="deterministic val ECE vs a calibrated model's")
+    parser.add_argument("--no-means", action="store_true", help="summary without the [means] rows")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.summary:
-        print(summarize(args.log, args.tasks, args.variants or None))
+        print(summarize(args.log, args.tasks, args.variants or None, means_rows=not args.no_means))
+        return
+    if args.ece_floor:
+        print("| task | seed | deterministic val ECE | ECE if perfectly calibrated (mean of 200 label draws) |")
+        print("|---|---|---|---|")
+        for name in args.tasks:
+            print(ece_floor(validation_view(build_task(name, Scale())), args.seeds, args.lr))
         return
     recipes = {**RECIPES, **{name: json.loads(spec) for name, spec in args.define}}
-    methods = {m.key: m for m in METHODS}
+    methods = {m.key: m for m in METHODS + FINETUNE_METHODS}
     done = set()
     if args.log.exists():
         done = {(r["variant"], r["task"], r["seed"]) for r in map(json.loads, args.log.read_text().splitlines())}
