@@ -1,0 +1,344 @@
+"""The methods compared by ``benchmarks/quality.py``, each through bayesify's public API only.
+
+A method says how to build its model from the task's network, which loss the shared training
+loop minimises, which parameters it trains, and how to get member predictions ``[S, B, out]``
+for evaluation. Every method is evaluated the same way: from its members.
+
+| key | model | training loss | members at evaluation |
+|---|---|---|---|
+| ``deterministic`` | the network | NLL | 1 |
+| ``temperature`` | the deterministic run, T fitted on the validation split (regression: a variance scale) | - | 1 |
+| ``mc-dropout`` | the network with ``nn.Dropout(p)`` after each hidden activation | NLL | 16 stochastic passes |
+| ``batchensemble`` | ``bayesify.convert(net, posterior="delta")`` | NLL (sample route) | K = 4 |
+| ``rank1`` | ``bayesify.convert(net)``, library defaults | NLL + w(t) KL / N (sample route) | K x M = 4 x 4 |
+| ``rank1-tiled`` | ``bayesify.convert(net)`` | mean over K of NLL (tile route) + w(t) KL / N | 4 x 4 |
+| ``rank1-cauchy`` | ``convert(net, posterior="cauchy", prior="cauchy")`` | as ``rank1`` | 4 x 4 |
+| ``deep-ensemble`` | K = 4 networks (member 0 is the deterministic run) | NLL each, own init and data order | 4 |
+| ``bayesian-torch`` | ``dnn_to_bnn`` mean-field (Reparameterization), prior N(0, 1) | NLL + w(t) KL / N | 16 passes |
+
+w(t) is the linear KL warm-up of the loop (0 to 1 over the first 2/3 of the steps).
+Fine-tuning methods (``ft-*``) start from the task's pre-trained network: continued
+deterministic training, + temperature scaling, rank-1 conversion (defaults: identity at init)
++ fine-tuning of everything, and rank-1 factors only (original weights frozen).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import bayesify
+from benchmarks._quality_tasks import REGRESSION, Task
+
+__all__ = ["METHODS", "FINETUNE_METHODS", "Method", "Rank1", "likelihood_loss"]
+
+EVAL_SAMPLES = 16  # stochastic passes of MC dropout and bayesian-torch; K x M of rank-1 (4 x 4)
+COMPONENTS = 4
+LOG_VAR_RANGE = (-12.0, 8.0)
+
+
+def log_likelihood(outputs: Tensor, y: Tensor, task: Task) -> Tensor:
+    """Per-row log-likelihood: log softmax of the label, or a Gaussian (mean, log variance) head's density."""
+    if task.kind == REGRESSION:
+        mean, log_var = outputs[:, 0], outputs[:, 1].clamp(*LOG_VAR_RANGE)
+        return -0.5 * (log_var + (y - mean) ** 2 / log_var.exp() + math.log(2 * math.pi))
+    return -F.cross_entropy(outputs, y, reduction="none")
+
+
+def likelihood_loss(outputs: Tensor, y: Tensor, task: Task) -> Tensor:
+    """Mean NLL of a batch: cross-entropy, or Gaussian NLL of a (mean, log variance) head."""
+    return -log_likelihood(outputs, y, task).mean()
+
+
+def _batched(model_fn: Any, x: Tensor, chunk: int = 500) -> Tensor:
+    # members [S, B, out], evaluated in chunks of examples to bound memory (tiled batches are S x larger)
+    return torch.cat([model_fn(x[i : i + chunk]) for i in range(0, len(x), chunk)], dim=1)
+
+
+@dataclass
+class Method:
+    """A deterministic network trained on the likelihood (the base for the others)."""
+
+    key: str = "deterministic"
+    label: str = "deterministic"
+    knob: str | None = None  # the method's own tuning knob (it shares the tuning budget with lr)
+    knob_values: tuple[Any, ...] = ()
+    builds_on: str | None = None  # a method whose run (and learning rate) this one starts from
+    post_hoc: bool = False  # True: fitted after ``builds_on``'s training, no training of its own
+    trains: bool = True
+
+    # -- building -----------------------------------------------------------------------------
+    def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
+        return task.make_net(0.0)
+
+    def parts(self, model: nn.Module) -> list[nn.Module]:
+        """The networks the loop trains one after another (a deep ensemble's members)."""
+        return [model]
+
+    def param_groups(self, part: nn.Module) -> list[dict[str, Any]]:
+        return [{"params": [p for p in part.parameters() if p.requires_grad], "lr_scale": 1.0}]
+
+    def after_training(self, model: nn.Module, task: Task) -> None:
+        """Post-hoc fitting on the validation split (temperature scaling)."""
+
+    # -- training and prediction --------------------------------------------------------------
+    def loss(self, part: nn.Module, x: Tensor, y: Tensor, task: Task, kl_weight: float) -> Tensor:
+        return likelihood_loss(part(x), y, task)
+
+    def members(self, model: nn.Module, x: Tensor, task: Task) -> Tensor:
+        model.eval()
+        with torch.no_grad():
+            return _batched(lambda v: model(v).unsqueeze(0), x)
+
+    def components(self, model: nn.Module) -> int:
+        """Groups of members for the diversity metric (1: none)."""
+        return 1
+
+    def num_parameters(self, model: nn.Module) -> int:
+        return sum(p.numel() for p in model.parameters())
+
+
+@dataclass
+class Temperature(Method):
+    """Temperature scaling (regression: one scale on the predicted std), fitted on the validation split."""
+
+    key: str = "temperature"
+    label: str = "deterministic + temperature scaling (regression: std scaling)"
+    builds_on: str | None = "deterministic"
+    post_hoc: bool = True
+
+    def after_training(self, model: nn.Module, task: Task) -> None:
+        with torch.no_grad():
+            out = model.eval()(task.x_val)
+        log_t = torch.zeros((), requires_grad=True)
+        optimizer = torch.optim.LBFGS([log_t], lr=0.1, max_iter=200, line_search_fn="strong_wolfe")
+
+        def closure() -> Tensor:
+            optimizer.zero_grad()
+            loss = likelihood_loss(self._scaled(out, log_t, task), task.y_val, task)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        model.register_buffer("benchmark_log_temperature", log_t.detach().clone())
+
+    @staticmethod
+    def _scaled(out: Tensor, log_t: Tensor, task: Task) -> Tensor:
+        if task.kind == REGRESSION:  # the std times T: the log variance plus 2 log T
+            return torch.stack([out[:, 0], out[:, 1] + 2 * log_t], dim=1)
+        return out / log_t.exp()
+
+    def members(self, model: nn.Module, x: Tensor, task: Task) -> Tensor:
+        log_t = model.benchmark_log_temperature
+        out = super().members(model, x, task)
+        if task.kind == REGRESSION:
+            return torch.stack([out[..., 0], out[..., 1] + 2 * log_t], dim=-1)
+        return out / log_t.exp()
+
+    def num_parameters(self, model: nn.Module) -> int:
+        return super().num_parameters(model) + 1
+
+
+@dataclass
+class MCDropout(Method):
+    key: str = "mc-dropout"
+    label: str = "MC dropout (16 samples)"
+    knob: str | None = "p"
+    knob_values: tuple[Any, ...] = (0.1, 0.2)
+
+    def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
+        return task.make_net(float(knob))
+
+    def members(self, model: nn.Module, x: Tensor, task: Task) -> Tensor:
+        model.eval()
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.train()  # dropout stays on at evaluation
+        with torch.no_grad():
+            return _batched(lambda v: torch.stack([model(v) for _ in range(EVAL_SAMPLES)]), x)
+
+
+@dataclass
+class Rank1(Method):
+    """A converted network trained in the plain loop (public API only).
+
+    ``convert_kwargs`` go to ``bayesify.convert``; ``route="tile"`` trains the paper's layout
+    (labels tiled K times, the mean per-component NLL); ``kl_mean_over_components`` divides the
+    KL by K as well (the bound on the KL of the uniform mixture, instead of the reference's sum);
+    ``factor_lr`` multiplies the learning rate of ``bayesify.rank1_parameters``; ``samples`` is M;
+    ``likelihood="mixture"`` (tile route only) trains ``-log mean_k p(y | x, k)`` instead of the
+    mean over components of ``-log p(y | x, k)``.
+    """
+
+    key: str = "rank1"
+    label: str = "rank-1 Normal (defaults, sample route)"
+    convert_kwargs: dict[str, Any] = field(default_factory=dict)
+    route: str = "sample"
+    likelihood: str = "average"
+    kl_mean_over_components: bool = False
+    kl_scale: float = 1.0
+    factor_lr: float = 1.0
+    samples: int = 4
+    eval_noise: bool = True  # False: the K posterior means (no sampling) at evaluation
+    from_pretrained: bool = False
+    factors_only: bool = False
+
+    def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
+        net = copy.deepcopy(task.pretrained[seed]) if self.from_pretrained else task.make_net(0.0)
+        bayesify.convert(net, **self.convert_kwargs)
+        if self.factors_only:
+            for p in net.parameters():
+                p.requires_grad_(False)
+            for p in bayesify.rank1_parameters(net):
+                p.requires_grad_(True)
+        return net
+
+    def param_groups(self, part: nn.Module) -> list[dict[str, Any]]:
+        factors = {id(p) for p in bayesify.rank1_parameters(part)}
+        trainable = [p for p in part.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in trainable if id(p) not in factors], "lr_scale": 1.0},
+            {"params": [p for p in trainable if id(p) in factors], "lr_scale": self.factor_lr},
+        ]
+        return [g for g in groups if g["params"]]
+
+    def loss(self, part: nn.Module, x: Tensor, y: Tensor, task: Task, kl_weight: float) -> Tensor:
+        if self.route == "tile":
+            k = bayesify.num_components(part)
+            with bayesify.mode(part, route="tile"):
+                out = part(x)  # [K*B, ...], member-major
+            log_lik = log_likelihood(out, y.repeat(k), task).view(k, -1)
+            if self.likelihood == "mixture":
+                nll = -(torch.logsumexp(log_lik, 0) - math.log(k)).mean()
+            else:
+                nll = -log_lik.mean()
+        else:
+            nll = likelihood_loss(part(x), y, task)
+        kl = bayesify.kl_divergence(part) / task.num_train
+        if self.kl_mean_over_components:
+            kl = kl / bayesify.num_components(part)
+        return nll + kl_weight * self.kl_scale * kl
+
+    def members(self, model: nn.Module, x: Tensor, task: Task) -> Tensor:
+        samples = 1 if self.convert_kwargs.get("posterior") == "delta" or not self.eval_noise else self.samples
+        return _batched(lambda v: bayesify.predict(model.eval(), v, samples=samples, noise=self.eval_noise), x)
+
+    def components(self, model: nn.Module) -> int:
+        return bayesify.num_components(model)
+
+
+@dataclass
+class DeepEnsemble(Method):
+    key: str = "deep-ensemble"
+    label: str = "deep ensemble of 4"
+    builds_on: str | None = "deterministic"  # member 0 is the deterministic run of the same seed
+
+    def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
+        nets = []
+        for k in range(COMPONENTS):
+            torch.manual_seed(seed + 1000 * k)  # each member its own initialisation (and data order)
+            nets.append(task.make_net(0.0))
+        return nn.ModuleList(nets)
+
+    def parts(self, model: nn.Module) -> list[nn.Module]:
+        return list(model)
+
+    def members(self, model: nn.Module, x: Tensor, task: Task) -> Tensor:
+        model.eval()
+        with torch.no_grad():
+            return _batched(lambda v: torch.stack([net(v) for net in model]), x)
+
+    def components(self, model: nn.Module) -> int:
+        return len(model)
+
+
+@dataclass
+class BayesianTorch(Method):
+    """bayesian-torch's mean-field conversion (its README's prior: N(0, 1), rho init -3).
+
+    It converts Linear, Conv and LSTM layers; a GRU stays deterministic (only the head is converted).
+    """
+
+    key: str = "bayesian-torch"
+    label: str = "bayesian-torch mean-field"
+
+    def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
+        from bayesian_torch.models.dnn_to_bnn import dnn_to_bnn
+
+        net = task.make_net(0.0)
+        for m in net.modules():
+            if isinstance(m, nn.Conv1d):  # bayesian-torch 0.5 builds a Conv1d kernel from an int kernel_size only
+                m.kernel_size = m.kernel_size[0]
+        prior = {
+            "prior_mu": 0.0, "prior_sigma": 1.0, "posterior_mu_init": 0.0, "posterior_rho_init": -3.0,
+            "type": "Reparameterization", "moped_enable": False, "moped_delta": 0.5,
+        }  # fmt: skip
+        dnn_to_bnn(net, prior)
+        return net
+
+    def loss(self, part: nn.Module, x: Tensor, y: Tensor, task: Task, kl_weight: float) -> Tensor:
+        from bayesian_torch.models.dnn_to_bnn import get_kl_loss
+
+        return likelihood_loss(part(x), y, task) + kl_weight * get_kl_loss(part) / task.num_train
+
+    def members(self, model: nn.Module, x: Tensor, task: Task) -> Tensor:
+        model.eval()
+        with torch.no_grad():
+            return _batched(lambda v: torch.stack([model(v) for _ in range(EVAL_SAMPLES)]), x)
+
+
+@dataclass
+class Pretrained(Method):
+    key: str = "pretrained"
+    label: str = "pre-trained net, no fine-tuning"
+    trains: bool = False
+
+    def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
+        return copy.deepcopy(task.pretrained[seed])
+
+
+@dataclass
+class FineTuned(Method):
+    key: str = "ft-deterministic"
+    label: str = "fine-tuned deterministically"
+
+    def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
+        return copy.deepcopy(task.pretrained[seed])
+
+
+def _bayesian_torch_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("bayesian_torch") is not None
+
+
+METHODS: list[Method] = [
+    Method(),
+    Temperature(),
+    MCDropout(),
+    Rank1(key="batchensemble", label="BatchEnsemble (posterior='delta')", convert_kwargs={"posterior": "delta"}),
+    Rank1(),
+    Rank1(key="rank1-tiled", label="rank-1 Normal, tiled route (paper)", route="tile"),
+    Rank1(key="rank1-cauchy", label="rank-1 Cauchy", convert_kwargs={"posterior": "cauchy", "prior": "cauchy"}),
+    DeepEnsemble(),
+    *([BayesianTorch()] if _bayesian_torch_available() else []),
+]
+
+FINETUNE_METHODS: list[Method] = [
+    Pretrained(),
+    FineTuned(),
+    Temperature(key="ft-temperature", label="fine-tuned + temperature scaling", builds_on="ft-deterministic"),
+    Rank1(key="ft-rank1", label="rank-1 conversion + fine-tuning (defaults)", from_pretrained=True),
+    Rank1(key="ft-rank1-factors", label="rank-1 factors only (original weights frozen)", from_pretrained=True,
+          factors_only=True),
+]  # fmt: skip
+
+
+def method_keys(methods: Iterable[Method]) -> list[str]:
+    return [m.key for m in methods]

@@ -1,0 +1,191 @@
+"""The report of ``benchmarks/quality.py``: mean +- std over seeds, ratios, markdown, JSON and plots."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["aggregate", "write_report"]
+
+CLASSIFICATION_COLUMNS = (
+    ("nll", "NLL"), ("accuracy", "acc"), ("ece", "ECE"), ("brier", "Brier"),
+    ("c_nll", "cNLL"), ("c_accuracy", "cA"), ("c_ece", "cECE"),
+)  # fmt: skip
+BINARY_COLUMNS = (("auc_pr", "AUC-PR"), ("auc_roc", "AUC-ROC"))
+REGRESSION_COLUMNS = (
+    ("nll", "NLL"), ("rmse", "RMSE"), ("coverage", "90% cov."), ("width", "90% width"),
+    ("c_nll", "cNLL"), ("c_rmse", "cRMSE"), ("c_coverage", "c 90% cov."),
+)  # fmt: skip
+RELATIVE = ("nll", "ece", "c_nll", "c_ece")  # shown with their change against the deterministic baseline
+COST_COLUMNS = (("train_x", "train x"), ("eval_x", "eval x"), ("params_x", "params x"))
+
+
+def _baseline(result: dict[str, Any]) -> str:
+    return "deterministic" if "deterministic" in result["methods"] else "ft-deterministic"
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def aggregate(result: dict[str, Any]) -> dict[str, dict[str, tuple[float, float]]]:
+    """``{method: {metric: (mean, std)}}`` over seeds, with cost ratios to the baseline of the same seed."""
+    base_runs = {r["seed"]: r for r in result["methods"][_baseline(result)]["runs"]}
+    table: dict[str, dict[str, tuple[float, float]]] = {}
+    for key, method in result["methods"].items():
+        runs = method["runs"]
+        metrics = sorted({k for r in runs for k, v in r.items() if isinstance(v, (int, float)) and k != "seed"})
+        row = {k: _mean_std([r.get(k) for r in runs]) for k in metrics}
+
+        def ratio(field: str) -> list[float]:
+            return [r[field] / base_runs[r["seed"]][field] for r in runs if base_runs[r["seed"]][field] > 0]
+
+        row["train_x"] = _mean_std(ratio("train_s"))
+        row["eval_x"] = _mean_std(ratio("eval_s"))
+        row["params_x"] = _mean_std(ratio("params"))
+        table[key] = row
+    return table
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return f"{value:.3g}" if abs(value) >= 10 else f"{value:.4f}" if abs(value) < 1 else f"{value:.3f}"
+
+
+def _cell(row: dict[str, tuple[float, float]], key: str, base: dict[str, tuple[float, float]] | None) -> str:
+    mean, std = row.get(key, (math.nan, math.nan))
+    text = f"{_number(mean)} +- {_number(std)}"
+    if base is not None and key in RELATIVE and key in base and base[key][0] and not math.isnan(mean):
+        text += f" ({100 * (mean / base[key][0] - 1):+.0f}%)"
+    return text
+
+
+def _columns(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    if result["kind"] == "regression":
+        return REGRESSION_COLUMNS
+    binary = any("auc_pr" in r for m in result["methods"].values() for r in m["runs"])
+    return CLASSIFICATION_COLUMNS + (BINARY_COLUMNS if binary else ())
+
+
+def task_markdown(result: dict[str, Any]) -> str:
+    """One task's section: what it is, the tuned configurations and the table."""
+    table = aggregate(result)
+    base_key = _baseline(result)
+    columns = _columns(result)
+    seeds = len(next(iter(result["methods"].values()))["runs"])
+    lines = [
+        f"## {result['task']}",
+        "",
+        f"{result['description']}. Train / val / test: {result['num_train']} / {result['num_val']} / "
+        f"{result['num_test']}; {result['epochs']} epochs, batch {result['batch_size']}; "
+        f"{result['shifted_sets']} shifted test sets; {seeds} seeds, mean +- std; "
+        f"percentages: change against `{base_key}`; costs: ratios to `{base_key}` of the same seed.",
+        "",
+        "| method | " + " | ".join(label for _, label in columns + COST_COLUMNS) + " |",
+        "|---" * (1 + len(columns) + len(COST_COLUMNS)) + "|",
+    ]
+    for key, method in result["methods"].items():
+        row = table[key]
+        cells = [_cell(row, k, table[base_key] if key != base_key else None) for k, _ in columns]
+        cells += [_number(row[k][0]) for k, _ in COST_COLUMNS]
+        lines.append(f"| {method['label']} (`{key}`) | " + " | ".join(cells) + " |")
+    lines += ["", "Tuned on the validation split (learning rate, and the method's own knob):", ""]
+    for key, method in result["methods"].items():
+        config = method["config"]
+        if config.get("lr") is None:
+            lines.append(f"- `{key}`: no training")
+            continue
+        knob = f", knob {config['knob']}" if config.get("knob") is not None else ""
+        scores = config.get("val_nll")
+        tried = ""
+        if scores and len(scores) > 1:
+            tried = "; val NLL " + ", ".join(
+                f"{c['lr']:g}{'/' + str(c['knob']) if c.get('knob') is not None else ''}: {s:.4f}"
+                for c, s in zip(config["grid"], scores)
+            )
+        lines.append(f"- `{key}`: lr {config['lr']:g}{knob}{tried}")
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """NLL and ECE (regression: |90% coverage - 0.9|) against the training-time ratio, one point per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = aggregate(result)
+    regression = result["kind"] == "regression"
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, metric, label in (
+        (axes[0], "nll", "test NLL"),
+        (axes[1], "coverage" if regression else "ece", "|90% coverage - 0.9|" if regression else "test ECE"),
+    ):
+        for key, row in table.items():
+            x, y = row["train_x"][0], row[metric][0]
+            if regression and metric == "coverage":
+                y = abs(y - 0.9)
+            if math.isnan(x) or x <= 0:
+                continue
+            ax.errorbar(x, y, yerr=row[metric][1], fmt="o", capsize=3)
+            ax.annotate(key, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"training time / {_baseline(result)}")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{result['task']}: quality against training cost (mean +- std over seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(results: list[dict[str, Any]], out: Path, *, command: str, seconds: float, budget: int) -> None:
+    """``quality.md``, ``quality.json`` and ``quality_<task>.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = [
+        "# bayesify quality benchmark",
+        "",
+        f"Command: `{command}`  ",
+        f"Machine: {info['platform']}, {info['cpu_count']} CPUs, Python {info['python']}, torch {info['torch']}, "
+        f"{info['threads']} thread(s); {date}; {seconds / 60:.1f} min in all.  ",
+        f"Tuning budget: {budget} validation run(s) per method (see `benchmarks/quality.py`).",
+        "",
+    ]
+    body = [task_markdown(r) + f"\n\n![{r['task']}](quality_{r['task']}.png)\n" for r in results]
+    (out / "quality.md").write_text("\n".join(header) + "\n" + "\n".join(body))
+    payload = {"command": command, "machine": info, "date": date, "seconds": seconds, "budget": budget,
+               "tasks": results, "summary": {r["task"]: aggregate(r) for r in results}}  # fmt: skip
+    (out / "quality.json").write_text(json.dumps(payload, indent=1, default=_jsonable))
+    for r in results:
+        plot(r, out / f"quality_{r['task']}.png")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")

@@ -1,0 +1,300 @@
+"""The tasks of ``benchmarks/quality.py``: data that ships with packages, a network, shifted test sets.
+
+Every task carves a validation split (20%, stratified for classes, fixed seed) out of the
+training set: the methods tune on it (and temperature scaling fits on it); all final models are
+trained on the rest. The test set is touched only by the final evaluation.
+
+| task | data (train / val / test) | network | shifted copies |
+|---|---|---|---|
+| ``digits`` | sklearn digits 8x8 (1005 / 252 / 540) | CNN: conv 16, conv 32, pool, fc 64 | 15 ImageNet-C corruptions x 5 |
+| ``mnist1d-conv`` | MNIST-1D (3200 / 800 / 1000) | Conv1d 32, 64, pool, fc 128 (bayesify's ``cnn1d``) | 5 signal corruptions x 5 |
+| ``mnist1d-gru`` | MNIST-1D | Conv1d 16 + pool (20 steps), GRU 32, linear | 5 signal corruptions x 5 |
+| ``breast-cancer`` | sklearn (318 / 80 / 171), standardised | MLP 64-64, 2 logits | 3 feature corruptions x 5 |
+| ``diabetes`` | sklearn regression (247 / 62 / 133), x and y standardised | MLP 64-64, (mean, log variance) | 3 feature corruptions x 5 |
+| ``digits-finetune`` | digits: pre-train on half of train, fine-tune on the other half | the digits CNN | as ``digits`` |
+| ``digits-resnet`` | digits; not in the default list (the depth check of ``rank1_defaults.py``) | stem + 6 residual blocks with BatchNorm: 14 rank-1 layers | as ``digits`` |
+
+MC dropout is the one method whose network differs: ``make_net(p)`` puts ``nn.Dropout(p)`` after
+every hidden activation (p = 0 gives ``nn.Identity``, so every other method runs exactly the
+same architecture).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from benchmarks._quality_shifts import ShiftedSet, image_shifts, signal_shifts, table_shifts
+
+__all__ = ["DEFAULT_TASKS", "TASKS", "Scale", "Task", "build_task", "validation_view"]
+
+CLASSIFICATION, REGRESSION = "classification", "regression"
+
+
+@dataclass
+class Task:
+    """One benchmark task: splits, a network factory and its training budget."""
+
+    name: str
+    kind: str  # CLASSIFICATION or REGRESSION
+    make_net: Callable[[float], nn.Module]  # dropout p -> a fresh network (seed torch first)
+    x_train: Tensor
+    y_train: Tensor
+    x_val: Tensor
+    y_val: Tensor
+    x_test: Tensor
+    y_test: Tensor
+    make_shifts: Callable[[Tensor], list[ShiftedSet]]  # clean inputs -> their shifted copies
+    epochs: int
+    batch_size: int
+    lr_grid: tuple[float, ...]
+    description: str
+    y_std: float = 1.0  # regression: the target's training std (metrics in data units)
+    # fine-tuning: the pre-training split and its epochs (the final models fine-tune on x_train)
+    x_pretrain: Tensor | None = None
+    y_pretrain: Tensor | None = None
+    pretrain_epochs: int = 0
+    pretrain_lr: float = 2e-3
+    pretrained: dict[int, nn.Module] = field(default_factory=dict, repr=False)  # seed -> pre-trained net
+    _shifts: list[ShiftedSet] | None = field(default=None, repr=False)
+
+    @property
+    def finetune(self) -> bool:
+        return self.x_pretrain is not None
+
+    @property
+    def num_train(self) -> int:
+        return len(self.y_train)
+
+    max_shifts: int | None = None  # --quick: evenly spaced among the (corruption, severity) sets
+
+    def shifts(self) -> list[ShiftedSet]:
+        """The shifted test sets, made once per run (the same tensors for every method and seed)."""
+        if self._shifts is None:
+            sets = self.make_shifts(self.x_test)
+            if self.max_shifts is not None and len(sets) > self.max_shifts:
+                sets = sets[:: math.ceil(len(sets) / self.max_shifts)]
+            self._shifts = sets
+        return self._shifts
+
+
+class Standardize(nn.Module):
+    """``(x - mean) / std`` with fixed buffers: the network sees raw inputs, so they can be corrupted first."""
+
+    def __init__(self, mean: float, std: float) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(mean))
+        self.register_buffer("std", torch.tensor(std))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x - self.mean) / self.std
+
+
+def _drop(p: float) -> nn.Module:
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+def _digits_cnn(mean: float, std: float, p: float) -> nn.Module:
+    return nn.Sequential(
+        Standardize(mean, std),
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), _drop(p),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), _drop(p),
+        nn.Flatten(), nn.Linear(32 * 16, 64), nn.ReLU(), _drop(p), nn.Linear(64, 10),
+    )  # fmt: skip
+
+
+class _Block(nn.Module):
+    def __init__(self, channels: int, p: float) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+        )  # fmt: skip
+        self.drop = _drop(p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(torch.relu(x + self.body(x)))
+
+
+def _digits_resnet(mean: float, std: float, p: float, blocks: int = 6, channels: int = 32) -> nn.Module:
+    """A deeper net for the depth question: stem + ``blocks`` residual blocks (2 convs each, BatchNorm) + fc."""
+    return nn.Sequential(
+        Standardize(mean, std),
+        nn.Conv2d(1, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
+        *[_Block(channels, p) for _ in range(blocks)],
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10),
+    )  # fmt: skip
+
+
+def _signal_cnn(p: float) -> nn.Module:
+    return nn.Sequential(
+        nn.Conv1d(1, 32, 5, padding=2), nn.ReLU(), _drop(p),
+        nn.Conv1d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool1d(2), nn.AdaptiveAvgPool1d(8), _drop(p),
+        nn.Flatten(), nn.Linear(64 * 8, 128), nn.ReLU(), _drop(p), nn.Linear(128, 10),
+    )  # fmt: skip
+
+
+class SignalGRU(nn.Module):
+    """A small recurrent classifier: a Conv1d stem halves the 40 steps, a GRU reads the 20, a linear head."""
+
+    def __init__(self, p: float, hidden: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv1d(1, 16, 5, padding=2), nn.ReLU(), nn.MaxPool1d(2), _drop(p))
+        self.gru = nn.GRU(16, hidden, batch_first=True)
+        self.drop = _drop(p)
+        self.head = nn.Linear(hidden, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        steps, _ = self.gru(self.stem(x).transpose(1, 2))  # [B, 20, hidden]
+        return self.head(self.drop(steps[:, -1]))
+
+
+def _mlp(features: int, outputs: int, p: float) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(features, 64), nn.ReLU(), _drop(p), nn.Linear(64, 64), nn.ReLU(), _drop(p), nn.Linear(64, outputs)
+    )
+
+
+# ---- splits --------------------------------------------------------------------------------------
+
+
+def _carve(x: Tensor, y: Tensor, stratify: bool, fraction: float = 0.2) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Split a training set into (train, val) with a fixed seed."""
+    from sklearn.model_selection import train_test_split
+
+    idx_train, idx_val = train_test_split(
+        torch.arange(len(y)).numpy(), test_size=fraction, random_state=0, stratify=y.numpy() if stratify else None
+    )
+    idx_train, idx_val = torch.as_tensor(idx_train), torch.as_tensor(idx_val)
+    return x[idx_train], y[idx_train], x[idx_val], y[idx_val]
+
+
+def _subset(x: Tensor, y: Tensor, limit: int | None) -> tuple[Tensor, Tensor]:
+    return (x, y) if limit is None or limit >= len(y) else (x[:limit], y[:limit])
+
+
+@dataclass(frozen=True)
+class Scale:
+    """What ``--quick`` shrinks: epochs, set sizes and the image corruptions used."""
+
+    epochs: float = 1.0
+    max_train: int | None = None
+    max_test: int | None = None
+    image_corruptions: tuple[str, ...] | None = None
+    max_shifts: int | None = None
+    cache_dir: Path | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def _bundle(name: str) -> object:
+    from bayesify.data import load_data
+
+    return load_data(name)  # MNIST-1D is generated (seconds): once per process
+
+
+def _digits_like(name: str, scale: Scale, finetune: bool, deep: bool = False) -> Task:
+    bundle = _bundle("digits")
+    x_tr, y_tr, x_val, y_val = _carve(bundle.train.inputs, bundle.train.labels, stratify=True)
+    mean, std = float(x_tr.mean()), float(x_tr.std())
+    x_tr, y_tr = _subset(x_tr, y_tr, scale.max_train)
+    x_te, y_te = _subset(bundle.test.inputs, bundle.test.labels, scale.max_test)
+    kwargs = {} if scale.image_corruptions is None else {"corruptions": scale.image_corruptions}
+    shifts = lambda x: image_shifts(x, cache_dir=scale.cache_dir, **kwargs)  # noqa: E731
+    epochs = max(1, round(30 * scale.epochs))
+    task = Task(
+        name, CLASSIFICATION, lambda p: (_digits_resnet if deep else _digits_cnn)(mean, std, p), x_tr, y_tr, x_val, y_val, x_te, y_te, shifts,
+        epochs=epochs, batch_size=64, lr_grid=(5e-4, 1e-3, 2e-3, 4e-3),
+        description="sklearn digits 8x8, small CNN, 15 ImageNet-C corruptions x 5 severities",
+    )  # fmt: skip
+    if finetune:
+        # pre-train on one half of the training split, fine-tune on the other (same val / test)
+        half = len(y_tr) // 2
+        task.x_pretrain, task.y_pretrain = x_tr[:half], y_tr[:half]
+        task.x_train, task.y_train = x_tr[half:], y_tr[half:]
+        task.pretrain_epochs, task.epochs = epochs, max(1, epochs // 2)
+        task.lr_grid = (1e-4, 3e-4, 1e-3, 3e-3)
+        task.description = (
+            "digits CNN pre-trained deterministically on half of the training split, then fine-tuned on the other half"
+        )
+    return task
+
+
+def _mnist1d(name: str, scale: Scale, recurrent: bool) -> Task:
+    bundle = _bundle("mnist1d")
+    x_tr, y_tr, x_val, y_val = _carve(bundle.train.inputs, bundle.train.labels, stratify=True)
+    train_sd = float(x_tr.std())
+    x_tr, y_tr = _subset(x_tr, y_tr, scale.max_train)
+    x_te, y_te = _subset(bundle.test.inputs, bundle.test.labels, scale.max_test)
+    net = (lambda p: SignalGRU(p)) if recurrent else _signal_cnn
+    return Task(
+        name, CLASSIFICATION, net, x_tr, y_tr, x_val, y_val, x_te, y_te, lambda x: signal_shifts(x, train_sd),
+        epochs=max(1, round(30 * scale.epochs)), batch_size=64, lr_grid=(5e-4, 1e-3, 2e-3, 4e-3),
+        description="MNIST-1D, " + ("Conv1d stem + GRU 32" if recurrent else "Conv1d net") + ", 5 signal corruptions x 5",
+    )  # fmt: skip
+
+
+def _table(name: str, scale: Scale, regression: bool) -> Task:
+    from sklearn.datasets import load_breast_cancer, load_diabetes
+    from sklearn.model_selection import train_test_split
+
+    table = load_diabetes() if regression else load_breast_cancer()
+    x = torch.tensor(table.data, dtype=torch.float32)
+    y = torch.tensor(table.target, dtype=torch.float32 if regression else torch.long)
+    i_tr, i_te = train_test_split(
+        torch.arange(len(y)).numpy(), test_size=0.3, random_state=0, stratify=None if regression else y.numpy()
+    )
+    x_tr, y_tr, x_val, y_val = _carve(x[i_tr], y[i_tr], stratify=not regression)
+    x_te, y_te = x[i_te], y[i_te]
+    mean, std = x_tr.mean(0), x_tr.std(0).clamp_min(1e-6)
+    x_tr, x_val, x_te = ((v - mean) / std for v in (x_tr, x_val, x_te))
+    y_std = 1.0
+    if regression:
+        y_mean, y_std = float(y_tr.mean()), float(y_tr.std())
+        y_tr, y_val, y_te = ((v - y_mean) / y_std for v in (y_tr, y_val, y_te))
+    x_tr, y_tr = _subset(x_tr, y_tr, scale.max_train)
+    x_te, y_te = _subset(x_te, y_te, scale.max_test)
+    outputs = 2  # two logits, or (mean, log variance)
+    return Task(
+        name, REGRESSION if regression else CLASSIFICATION, lambda p: _mlp(x.shape[1], outputs, p),
+        x_tr, y_tr, x_val, y_val, x_te, y_te, table_shifts,
+        epochs=max(1, round(100 * scale.epochs)), batch_size=32, lr_grid=(5e-4, 1e-3, 2e-3, 4e-3),
+        description=("sklearn diabetes regression, MLP with a Gaussian head" if regression
+                     else "sklearn breast cancer (binary), MLP") + ", 3 feature corruptions x 5",
+        y_std=y_std,
+    )  # fmt: skip
+
+
+TASKS: dict[str, Callable[[Scale], Task]] = {
+    "digits": lambda s: _digits_like("digits", s, finetune=False),
+    "mnist1d-conv": lambda s: _mnist1d("mnist1d-conv", s, recurrent=False),
+    "mnist1d-gru": lambda s: _mnist1d("mnist1d-gru", s, recurrent=True),
+    "breast-cancer": lambda s: _table("breast-cancer", s, regression=False),
+    "diabetes": lambda s: _table("diabetes", s, regression=True),
+    "digits-finetune": lambda s: _digits_like("digits-finetune", s, finetune=True),
+    # not in quality.py's default list: the depth check of the defaults study (14 rank-1 layers)
+    "digits-resnet": lambda s: _digits_like("digits-resnet", s, finetune=False, deep=True),
+}
+DEFAULT_TASKS = ("digits", "mnist1d-conv", "mnist1d-gru", "breast-cancer", "diabetes", "digits-finetune")
+
+
+def validation_view(task: Task) -> Task:
+    """The task with its validation split in the place of the test set (and shifted copies of it).
+
+    For studies that choose settings: they never see the test set.
+    """
+    return dataclasses.replace(task, x_test=task.x_val, y_test=task.y_val, _shifts=None)
+
+
+def build_task(name: str, scale: Scale) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"task={name!r} is unknown; choose from: {', '.join(TASKS)}.")
+    task = TASKS[name](scale)
+    task.max_shifts = scale.max_shifts
+    return task

@@ -1,0 +1,246 @@
+"""Uncertainty quality of rank-1 BNNs against what a user would do instead, and what it costs.
+
+    python benchmarks/quality.py                       # everything, 5 seeds (hours on 2 CPU cores)
+    python benchmarks/quality.py --quick --out /tmp/q  # a smoke test: tiny sets, 1 epoch, 2 seeds (~1 min)
+    python benchmarks/quality.py --tasks digits mnist1d-conv --methods deterministic rank1 --seeds 3
+
+Every method is trained by the one loop below (:func:`train`): Adam, minibatches in an order
+drawn from a generator seeded by the seed alone (so every method sees the same batches), the
+same epochs, a cosine learning-rate decay, and for the variational methods the KL / N term with
+a linear warm-up of its weight over the first 2/3 of the steps. Methods and tasks are listed in
+``_quality_methods.py`` and ``_quality_tasks.py``.
+
+Tuning budget (validation split carved from the training set; the test set is never used):
+each method gets the same number of training runs (``--budget``, default 4; tuning seed 100). A
+method without a knob of its own picks the learning rate from the task's 4-value grid; MC
+dropout spends its 4 runs on 2 learning rates (the grid's 2nd and 4th) x 2 dropout rates. With
+``--budget 2``: the grid's 2nd and 4th learning rates, or the 3rd with the 2 dropout rates. The choice minimises the validation
+NLL of the method's own predictive. Temperature scaling and the deep ensemble are made of the
+deterministic run (its learning rate; T is fitted on the validation split). ``--budget 1``
+skips tuning (every method at the grid's 3rd learning rate).
+
+Evaluation is uniform: every method gives member predictions ``[S, B, out]`` (rank-1:
+``bayesify.predict(model.eval(), x, samples=4)``, K x M = 16; MC dropout and bayesian-torch: 16
+stochastic passes; ensembles: their members; deterministic: one), and the metrics are computed
+from them (``_quality_evaluation.py``). Times are ratios to the deterministic run of the same
+task and seed in the same process; they include what else ran on the machine (see the report).
+
+Writes ``quality.md``, ``quality.json`` and one ``quality_<task>.png`` per task to ``--out``
+(default ``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+if __package__ in (None, ""):  # run as a script: python benchmarks/quality.py
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bayesify.evaluation.metrics import member_log_probs_from_logits, negative_log_likelihood  # noqa: E402
+from benchmarks._quality_evaluation import evaluate_members  # noqa: E402
+from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, likelihood_loss  # noqa: E402
+from benchmarks._quality_report import write_report  # noqa: E402
+from benchmarks._quality_tasks import DEFAULT_TASKS, REGRESSION, TASKS, Scale, Task, build_task  # noqa: E402
+from benchmarks._regression_metrics import gaussian_mixture_metrics  # noqa: E402
+
+KL_WARMUP = 2 / 3  # fraction of the steps over which the KL weight rises linearly from 0 to 1
+BUDGET = 4  # validation runs per method
+TUNING_SEED = 100
+DEFAULT_CACHE = Path.home() / ".cache" / "bayesify" / "quality"
+
+
+def train(
+    method: Method, part: nn.Module, task: Task, x: Tensor, y: Tensor, *, epochs: int, lr: float, seed: int
+) -> float:
+    """The one training loop of the benchmark; returns the seconds it took.
+
+    Adam; minibatches in an order drawn from ``torch.Generator().manual_seed(seed)`` (the same
+    for every method); cosine decay of the learning rate to 0 over all steps; the method's loss
+    with the KL weight ``min(1, step / (KL_WARMUP * steps))``.
+    """
+    groups = method.param_groups(part)
+    optimizer = torch.optim.Adam([{"params": g["params"], "lr": lr * g["lr_scale"]} for g in groups])
+    n, batch = len(y), task.batch_size
+    steps = epochs * math.ceil(n / batch)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    order = torch.Generator().manual_seed(seed)
+    warmup = max(1, round(KL_WARMUP * steps))
+    part.train()
+    step = 0
+    start = time.perf_counter()
+    for _ in range(epochs):
+        permutation = torch.randperm(n, generator=order)
+        for i in range(0, n, batch):
+            index = permutation[i : i + batch]
+            loss = method.loss(part, x[index], y[index], task, kl_weight=min(1.0, (step + 1) / warmup))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            step += 1
+    return time.perf_counter() - start
+
+
+def fit(
+    method: Method, task: Task, config: dict[str, Any], seed: int, trained: dict[str, tuple[nn.Module, float]],
+    x: Tensor, y: Tensor,
+) -> tuple[nn.Module, float]:
+    """Build and train one method for one seed (reusing the run it builds on); returns (model, train seconds)."""
+    torch.manual_seed(seed)  # the network's initialisation (and the method's noise) follow the seed
+    if method.post_hoc:
+        base, seconds = trained[method.builds_on]
+        model = copy.deepcopy(base)
+        method.after_training(model, task)
+        return model, seconds
+    model = method.build(task, config.get("knob"), seed)
+    seconds = 0.0
+    if method.trains:
+        for k, part in enumerate(method.parts(model)):
+            if k == 0 and method.builds_on is not None:  # deep ensemble: member 0 is the deterministic run
+                base, base_seconds = trained[method.builds_on]
+                part.load_state_dict(base.state_dict())
+                seconds += base_seconds
+                continue
+            seconds += train(method, part, task, x, y, epochs=task.epochs, lr=config["lr"], seed=seed + 1000 * k)
+    method.after_training(model, task)
+    return model, seconds
+
+
+def validation_nll(method: Method, model: nn.Module, task: Task) -> float:
+    """NLL of the method's own predictive (the mixture of its members) on the validation split."""
+    members = method.members(model, task.x_val, task)
+    if task.kind == REGRESSION:
+        return gaussian_mixture_metrics(members, task.y_val)["nll"]
+    return float(negative_log_likelihood(member_log_probs_from_logits(members), task.y_val))
+
+
+def grid(method: Method, task: Task, budget: int) -> list[dict[str, Any]]:
+    """The configurations a method tries within the budget (see the module docstring).
+
+    4 runs: a method without a knob tries the 4 learning rates of the task's grid; one with a knob
+    tries the 2nd and 4th learning rates x its 2 knob values. 2 runs: the 2nd and 4th learning
+    rates; or the 3rd x 2 knob values. 1 run: the 3rd learning rate (and the first knob value).
+    """
+    lrs = task.lr_grid
+    knobs = method.knob_values if method.knob else (None,)
+    if budget < len(knobs) or budget <= 1:
+        return [{"lr": lrs[2], "knob": knobs[0]}]
+    per_knob = budget // len(knobs)
+    chosen = {1: [lrs[2]], 2: [lrs[1], lrs[3]]}.get(per_knob, list(lrs[:per_knob]))
+    return [{"lr": lr, "knob": v} for lr in chosen for v in knobs]
+
+
+def tune(method: Method, task: Task, budget: int, trained_tuning: dict, log: Any) -> dict[str, Any]:
+    """Pick a configuration on the validation split with ``budget`` runs (tuning seed)."""
+    configs = grid(method, task, budget)
+    if not method.trains:
+        return {"lr": None, "knob": None}
+    if method.builds_on is not None:
+        return dict(trained_tuning[method.builds_on]["config"])
+    scores = []
+    for config in configs:
+        if len(configs) == 1:
+            scores.append(float("nan"))
+            break
+        model, _ = fit(method, task, config, TUNING_SEED, {}, task.x_train, task.y_train)
+        scores.append(validation_nll(method, model, task))
+        log(f"  tune {task.name:<16} {method.key:<16} {config} val NLL {scores[-1]:.4f}")
+    best = min(range(len(scores)), key=lambda i: scores[i] if not math.isnan(scores[i]) else math.inf)
+    return {**configs[best], "val_nll": scores, "grid": configs}
+
+
+def pretrain(task: Task, seed: int, lr: float) -> nn.Module:
+    """The fine-tuning task's starting point: a deterministic net trained on the pre-training split."""
+    torch.manual_seed(seed)
+    net = task.make_net(0.0)
+    train(Method(), net, task, task.x_pretrain, task.y_pretrain, epochs=task.pretrain_epochs, lr=lr, seed=seed + 7)
+    return net
+
+
+def run_task(task: Task, methods: list[Method], seeds: list[int], budget: int, log: Any) -> dict[str, Any]:
+    start = time.perf_counter()
+    task.shifts()  # corrupt once, before any timing
+    log(f"[{task.name}] {len(task.shifts())} shifted sets ready in {time.perf_counter() - start:.1f} s")
+    if task.finetune:
+        for s in [TUNING_SEED, *seeds]:
+            task.pretrained[s] = pretrain(task, s, lr=task.pretrain_lr)
+    configs: dict[str, dict[str, Any]] = {}
+    for method in methods:
+        configs[method.key] = tune(method, task, budget, {k: {"config": c} for k, c in configs.items()}, log)
+        log(f"[{task.name}] {method.key}: {({k: v for k, v in configs[method.key].items() if k in ('lr', 'knob')})}")
+    runs: dict[str, list[dict[str, Any]]] = {m.key: [] for m in methods}
+    for seed in seeds:
+        trained: dict[str, tuple[nn.Module, float]] = {}
+        for method in methods:
+            model, seconds = fit(method, task, configs[method.key], seed, trained, task.x_train, task.y_train)
+            trained[method.key] = (model, seconds)
+            t0 = time.perf_counter()
+            method.members(model, task.x_test, task)
+            eval_seconds = time.perf_counter() - t0
+            metrics = evaluate_members(lambda v: method.members(model, v, task), task, method.components(model))
+            record = {"seed": seed, "train_s": seconds, "eval_s": eval_seconds,
+                      "params": method.num_parameters(model), **metrics}  # fmt: skip
+            runs[method.key].append(record)
+            extra = f" cNLL {metrics['c_nll']:.4f}"
+            log(f"  {task.name:<16} seed {seed} {method.key:<16} NLL {metrics['nll']:.4f}{extra} train {seconds:.1f} s")
+    return {
+        "task": task.name, "kind": task.kind, "description": task.description, "epochs": task.epochs,
+        "batch_size": task.batch_size, "lr_grid": list(task.lr_grid), "num_train": task.num_train,
+        "num_val": len(task.y_val), "num_test": len(task.y_test), "shifted_sets": len(task.shifts()),
+        "methods": {m.key: {"label": m.label, "config": configs[m.key], "runs": runs[m.key]} for m in methods},
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=list(TASKS))
+    every = [m.key for m in METHODS + FINETUNE_METHODS]
+    parser.add_argument("--methods", nargs="+", default=None, choices=every, help="default: all of a task's")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1")
+    parser.add_argument("--budget", type=int, default=BUDGET, help="validation runs per method (1: no tuning)")
+    parser.add_argument("--quick", action="store_true", help="tiny sets, 1 epoch, 2 seeds, no tuning: a smoke test")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="corrupted image sets are kept here")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    if args.quick:
+        scale = Scale(
+            epochs=0.01, max_train=128, max_test=64, image_corruptions=("gaussian_noise", "brightness"), max_shifts=3
+        )
+        seeds, budget = [0, 1], 1
+    else:
+        scale, seeds, budget = Scale(cache_dir=args.cache_dir), list(range(args.seeds)), args.budget
+    started = time.time()
+    results = []
+    for name in args.tasks:
+        task = build_task(name, scale)
+        pool = FINETUNE_METHODS if task.finetune else METHODS
+        chosen = [m for m in pool if args.methods is None or m.key in args.methods]
+        chosen = _with_dependencies(chosen, pool)
+        results.append(run_task(task, chosen, seeds, budget, log=lambda s: print(s, flush=True)))
+    command = "python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    write_report(results, args.out, command=command.strip(), seconds=time.time() - started, budget=budget)
+    print(f"wrote {args.out / 'quality.md'}")
+
+
+def _with_dependencies(chosen: list[Method], pool: list[Method]) -> list[Method]:
+    """Add the runs a chosen method builds on (and the time baseline, the pool's first), in pool order."""
+    keys = {m.key for m in chosen} | {pool[0].key} | {m.builds_on for m in chosen if m.builds_on}
+    if any(m.key == "ft-deterministic" for m in pool):
+        keys.add("ft-deterministic")
+    return [m for m in pool if m.key in keys]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""``benchmarks/quality.py``: the ``--quick`` run's report structure, and the regression metrics it uses."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._quality_methods import FINETUNE_METHODS, METHODS  # noqa: E402
+from benchmarks._quality_tasks import TASKS  # noqa: E402
+from benchmarks._regression_metrics import gaussian_mixture_metrics  # noqa: E402
+
+pytest.importorskip("sklearn")
+pytest.importorskip("mnist1d")
+pytest.importorskip("corrupt_tta")
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("quality")
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", "--out", str(out)],
+        cwd=ROOT, check=True, timeout=600, capture_output=True,
+    )  # fmt: skip
+    return out
+
+
+def _expected(task: str) -> list[str]:
+    return [m.key for m in (FINETUNE_METHODS if task.endswith("finetune") else METHODS)]
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_method_of_every_task(quick_run: Path) -> None:
+    report = json.loads((quick_run / "quality.json").read_text())
+    assert [t["task"] for t in report["tasks"]] == list(TASKS)
+    markdown = (quick_run / "quality.md").read_text()
+    for task in report["tasks"]:
+        name = task["task"]
+        assert list(task["methods"]) == _expected(name), name
+        assert f"## {name}" in markdown
+        assert (quick_run / f"quality_{name}.png").stat().st_size > 0
+        for key, method in task["methods"].items():
+            assert [r["seed"] for r in method["runs"]] == [0, 1], (name, key)
+            assert f"(`{key}`) |" in markdown, (name, key)
+        for key, row in report["summary"][name].items():
+            for metric, (mean, std) in row.items():
+                assert math.isfinite(mean) and math.isfinite(std), (name, key, metric)
+
+
+@pytest.mark.slow
+def test_quick_run_has_the_task_metrics(quick_run: Path) -> None:
+    summary = json.loads((quick_run / "quality.json").read_text())["summary"]
+    classification = {"nll", "accuracy", "ece", "brier", "c_nll", "c_accuracy", "c_ece", "train_x", "eval_x", "params_x"}
+    assert classification <= set(summary["digits"]["rank1"])
+    assert {"auc_pr", "auc_roc"} <= set(summary["breast-cancer"]["rank1"])
+    assert {"nll", "rmse", "coverage", "width", "c_nll", "c_rmse", "c_coverage"} <= set(summary["diabetes"]["rank1"])
+    # ratios against the deterministic run of the same seed; a deep ensemble holds K = 4 networks
+    assert summary["digits"]["deterministic"]["train_x"][0] == 1.0
+    assert summary["digits"]["deep-ensemble"]["params_x"][0] == 4.0
+
+
+def test_gaussian_mixture_metrics_match_the_formulas() -> None:
+    generator = torch.Generator().manual_seed(0)
+    mean = torch.randn(3, 50, generator=generator, dtype=torch.float64)
+    log_var = 0.3 * torch.randn(3, 50, generator=generator, dtype=torch.float64)
+    y = torch.randn(50, generator=generator, dtype=torch.float64)
+    members = torch.stack([mean, log_var], dim=-1)
+    out = gaussian_mixture_metrics(members, y, y_std=2.0)
+
+    normal = torch.distributions.Normal(mean, (0.5 * log_var).exp())
+    mixture_density = normal.log_prob(y).exp().mean(0)
+    assert out["nll"] == pytest.approx(float(-mixture_density.log().mean() + math.log(2.0)), rel=1e-10)
+    assert out["rmse"] == pytest.approx(float(((mean.mean(0) - y) ** 2).mean().sqrt() * 2.0), rel=1e-10)
+    cdf = normal.cdf(y).mean(0)
+    assert out["coverage"] == pytest.approx(float(((cdf >= 0.05) & (cdf <= 0.95)).double().mean()))
+
+
+def test_one_gaussian_interval_is_the_textbook_one() -> None:
+    # N(0, 1): the central 90% interval is +-1.6449; 3 of these 4 targets fall inside it
+    members = torch.zeros(1, 4, 2, dtype=torch.float64)
+    out = gaussian_mixture_metrics(members, torch.tensor([0.0, 1.0, -1.6, 1.7], dtype=torch.float64))
+    assert out["width"] == pytest.approx(2 * 1.6448536269514722, rel=1e-9)
+    assert out["coverage"] == pytest.approx(0.75)
