@@ -86,6 +86,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         args = typing.get_args(kind)
         optional = type(None) in args
         base = next((a for a in args if a is not type(None)), kind) if optional else kind
+        # a union with a string option (task: a name or a Task object): the names are the flag's choices
+        base = next((a for a in args if isinstance(a, type) and issubclass(a, StrOption)), base)
         if f.name == "out":
             parser.add_argument(flag, required=True, help=help_text)
         elif base is bool:

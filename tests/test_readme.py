@@ -21,6 +21,18 @@ def test_readme_snippet_runs(tmp_path: Path, capsys) -> None:
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["logits"].shape == (8, 1000)
     assert namespace["members"].shape == (16, 8, 1000)
-    assert namespace["tiled"].shape == namespace["means"].shape == (32, 1000)
+    assert namespace["tiled"].shape == namespace["sampled"].shape == (32, 1000)
+    assert namespace["u"].mutual_information.shape == (8,)
     printed = capsys.readouterr().out
     assert "54 rank-1 layers, K=4" in printed and "25,557,032 original + 421,112 rank-1" in printed
+    assert "output: classification (class axis -1)" in printed
+
+
+def test_every_option_is_in_the_readme_table() -> None:
+    import dataclasses
+
+    from bayesify import Rank1Config
+
+    table = README.read_text().split("## Options", 1)[1].split("\n## ", 1)[0]
+    for field in dataclasses.fields(Rank1Config):
+        assert f"`{field.name}`" in table, f"README's options table does not list {field.name}"
