@@ -23,7 +23,7 @@ from bayesify import _router, _weight_decay
 from bayesify.config import Rank1Config, options_doc
 from bayesify.inspection import NORM_LAYERS, inside, rank1_layers
 from bayesify.layers.attention import Rank1MultiheadAttention
-from bayesify.layers.base import ConvertedLayer
+from bayesify.layers.base import ConvertedLayer, Rank1Layer
 from bayesify.layers.bilinear import Rank1Bilinear
 from bayesify.layers.condconv import Rank1CondConv2d
 from bayesify.layers.conv import Rank1Conv, Rank1ConvTranspose
@@ -273,6 +273,8 @@ def convert(
             "YourRank1Layer} to convert other layer types."
         )
 
+    # the prior's scale follows the depth unless given (Rank1Config.resolved_prior_std)
+    config = config.for_depth(sum(issubclass(layer_class, Rank1Layer) for _, _, layer_class in plan))
     for name, module, layer_class in plan:
         new = layer_class.from_module(module, config, router)
         if new is not module:

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import bayesify
 from bayesify import cli
 from bayesify.training import load_checkpoint
 
@@ -64,10 +65,12 @@ def test_preset_fills_the_paper_recipe_scaled_to_epochs_and_batch():
     assert imagenet.decay_epochs == (45.0, 90.0, 120.0) and imagenet.init_sign_p == 0.75
 
 
-def test_defaults_start_means_near_one_and_pretrained_preserves_the_network():
+def test_defaults_are_convert_s_and_pretrained_preserves_the_network():
     parse = cli._parser().parse_args
     plain = cli._train_config(parse(["train", "--model", "cnn", "--data", "digits", "--out", "/nonexistent/a"]))
-    assert (plain.init, plain.init_mean_std, plain.route, plain.components) == ("normal", 0.1, "sample", 4)
+    # the trainer converts with convert()'s own defaults: means at the identity, the posterior at the prior
+    assert (plain.init, plain.prior_std, plain.init_std, plain.route, plain.components) == ("preserve", None, None, "sample", 4)
+    assert plain.rank1 == bayesify.Rank1Config(task=plain.task)
     pretrained = cli._train_config(
         parse(["train", "--model", "resnet18", "--data", "digits", "--out", "/nonexistent/b", "--pretrained"])
     )

@@ -101,6 +101,9 @@ def member_nll_by_hand(model: torch.nn.Module, ids: torch.Tensor) -> float:
 
 def test_compute_loss_adds_the_weighted_kl_per_example(tmp_path: Path) -> None:
     model = tiny_gpt2()
+    with torch.no_grad():  # away from the prior (where the posterior starts, a KL of 0), so the term counts
+        for p in bayesify.rank1_parameters(model):
+            p.add_(0.05 * torch.randn_like(p))
     train = counting_sequences(32, seed=0)
     trainer = BayesianTrainer(model=model, args=arguments(tmp_path), train_dataset=train, kl_warmup_steps=4)
     batch = {k: torch.stack([row[k] for row in train[:8]]) for k in ("input_ids", "labels")}

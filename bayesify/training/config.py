@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bayesify.config import Rank1Config
-from bayesify.options import Init, Route, StrOption, option
+from bayesify.options import Route, StrOption, option
 from bayesify.training.objective import Likelihood
 from bayesify.training.optim import OptimizerName
 
@@ -44,10 +44,6 @@ class TrainConfig(Rank1Config):
         >>> results = Trainer(config, build_model(config, bundle), bundle).run()
     """
 
-    # the trainer's own start for the means (convert's default, 'preserve', is for pretrained networks):
-    # Normal(1, init_mean_std), the reference's random_sign_init < 0 mode. Random signs (the CIFAR/ImageNet
-    # presets) cost 2/prior_std^2 nats of KL per -1 entry, which swamps small data sets
-    init: Init = option(Init.NORMAL, "posterior means at the start (see Rank1Config.init); 'preserve' with --pretrained")
     # what to train (names resolved by bayesify.zoo.models.create_model / bayesify.zoo.data.load_data)
     model: str = option("cnn", "built-in (cnn, cnn1d, mlp), timm or torchvision name, or package.module:factory")
     data: str = option("digits", "digits, mnist1d, breast-cancer, cifar10, cifar100, or folder:PATH")

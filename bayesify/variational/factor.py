@@ -90,12 +90,12 @@ class Rank1Factor(nn.Module):
         if self.rho is None:
             return None
         cfg = self.config
-        return KLTerm(cfg.posterior, cfg.prior, cfg.prior_mean, cfg.prior_std, self.loc, self.rho)
+        return KLTerm(cfg.posterior, cfg.prior, cfg.prior_mean, cfg.resolved_prior_std(), self.loc, self.rho)
 
     def kl_divergence(self) -> Tensor:
         """KL to the prior, summed over components and entries (as the reference)."""
         cfg = self.config
-        return kl_divergence(cfg.posterior, self.loc, self.scale, cfg.prior, cfg.prior_mean, cfg.prior_std)
+        return kl_divergence(cfg.posterior, self.loc, self.scale, cfg.prior, cfg.prior_mean, cfg.resolved_prior_std())
 
     def extra_repr(self) -> str:
         cfg = self.config
