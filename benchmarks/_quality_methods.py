@@ -10,9 +10,13 @@ for evaluation. Every method is evaluated the same way: from its members.
 | ``temperature`` | the deterministic run, T fitted on the validation split (regression: a variance scale) | - | 1 |
 | ``mc-dropout`` | the network with ``nn.Dropout(p)`` after each hidden activation | NLL | 16 stochastic passes |
 | ``batchensemble`` | ``bayesify.convert(net, posterior="delta")`` | NLL (sample route) | K = 4 |
-| ``rank1`` | ``bayesify.convert(net)``, library defaults | NLL + w(t) KL / N (sample route) | K x M = 4 x 4 |
-| ``rank1-tiled`` | ``bayesify.convert(net)`` | mean over K of NLL (tile route) + w(t) KL / N | 4 x 4 |
-| ``rank1-cauchy`` | ``convert(net, posterior="cauchy", prior="cauchy")`` | as ``rank1`` | 4 x 4 |
+| ``rank1`` | ``bayesify.convert(net)``, library defaults | NLL + w(t) KL / N (sample route) | the library's: ``model.eval()``, the K posterior means |
+| ``rank1-sampled`` | the ``rank1`` run itself | - | K x M = 4 x 4 samples (``eval_noise=True``) |
+| ``rank1-tiled`` | ``bayesify.convert(net)`` | mean over K of NLL (tile route) + w(t) KL / N | K |
+| ``rank1-component`` | ``convert(net, sampling="component")``: one draw per component per step, every layer | as ``rank1`` | K |
+| ``rank1-example`` | ``convert(net, sampling="example")``: one draw per example, every layer | as ``rank1`` | K |
+| ``rank1-reference`` | ``convert(net, prior_std=0.1, init_dropout=1e-3)``: release 0.1's defaults, the reference's values | as ``rank1`` | 4 x 4 samples, as the reference |
+| ``rank1-cauchy`` | ``convert(net, posterior="cauchy", prior="cauchy")`` | as ``rank1`` | K |
 | ``deep-ensemble`` | K = 4 networks (member 0 is the deterministic run) | NLL each, own init and data order | 4 |
 | ``bayesian-torch`` | ``dnn_to_bnn`` mean-field (Reparameterization), prior N(0, 1) | NLL + w(t) KL / N | 16 passes |
 
@@ -184,8 +188,8 @@ class Rank1(Method):
     kl_mean_over_components: bool = False
     kl_scale: float = 1.0
     factor_lr: float = 1.0
-    samples: int = 4
-    eval_noise: bool = True  # False: the K posterior means (no sampling) at evaluation
+    samples: int = 4  # M, per component, when evaluation samples
+    eval_noise: bool | None = None  # None: the library's default (the K posterior means); True: M samples each
     from_pretrained: bool = False
     factors_only: bool = False
 
@@ -226,7 +230,7 @@ class Rank1(Method):
         return nll + kl_weight * self.kl_scale * kl
 
     def members(self, model: nn.Module, x: Tensor, task: Task) -> Tensor:
-        samples = 1 if self.convert_kwargs.get("posterior") == "delta" or not self.eval_noise else self.samples
+        samples = self.samples if self.eval_noise and self.convert_kwargs.get("posterior") != "delta" else 1
         return _batched(lambda v: bayesify.predict(model.eval(), v, samples=samples, noise=self.eval_noise), x)
 
     def components(self, model: nn.Module) -> int:
@@ -324,7 +328,15 @@ METHODS: list[Method] = [
     MCDropout(),
     Rank1(key="batchensemble", label="BatchEnsemble (posterior='delta')", convert_kwargs={"posterior": "delta"}),
     Rank1(),
+    Rank1(key="rank1-sampled", label="rank-1 Normal, the same nets evaluated with 4 samples per component",
+          eval_noise=True, builds_on="rank1", post_hoc=True),
     Rank1(key="rank1-tiled", label="rank-1 Normal, tiled route (paper)", route="tile"),
+    Rank1(key="rank1-component", label="rank-1 Normal, one draw per component per step (sampling='component')",
+          convert_kwargs={"sampling": "component"}),
+    Rank1(key="rank1-example", label="rank-1 Normal, one draw per example (sampling='example')",
+          convert_kwargs={"sampling": "example"}),
+    Rank1(key="rank1-reference", label="rank-1 Normal, release 0.1's defaults (prior 0.1, init 0.03, sampled)",
+          convert_kwargs={"prior_std": 0.1, "init_dropout": 1e-3}, eval_noise=True),
     Rank1(key="rank1-cauchy", label="rank-1 Cauchy", convert_kwargs={"posterior": "cauchy", "prior": "cauchy"}),
     DeepEnsemble(),
     *([BayesianTorch()] if _bayesian_torch_available() else []),

@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         scale, seeds, budget = Scale(cache_dir=args.cache_dir), list(range(args.seeds)), args.budget
     started = time.time()
+    command = ("python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     results = []
     for name in args.tasks:
         task = build_task(name, scale)
@@ -229,8 +230,8 @@ def main(argv: list[str] | None = None) -> None:
         chosen = [m for m in pool if args.methods is None or m.key in args.methods]
         chosen = _with_dependencies(chosen, pool)
         results.append(run_task(task, chosen, seeds, budget, log=lambda s: print(s, flush=True)))
-    command = "python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    write_report(results, args.out, command=command.strip(), seconds=time.time() - started, budget=budget)
+        # the report so far after every task: a long run that stops keeps what it measured
+        write_report(results, args.out, command=command, seconds=time.time() - started, budget=budget)
     print(f"wrote {args.out / 'quality.md'}")
 
 
