@@ -162,11 +162,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(results: list[dict[str, Any]], out: Path, *, command: str, seconds: float, budget: int) -> None:
-    """``quality.md``, ``quality.json`` and ``quality_<task>.png`` in ``out``."""
+def write_report(
+    results: list[dict[str, Any]],
+    out: Path,
+    *,
+    command: str,
+    seconds: float,
+    budget: int,
+    info: dict[str, Any] | None = None,
+    date: str | None = None,
+) -> None:
+    """``quality.md``, ``quality.json`` and ``quality_<task>.png`` in ``out`` (machine and date: this one's, now)."""
     out.mkdir(parents=True, exist_ok=True)
-    info = machine()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    info = info or machine()
+    date = date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = [
         "# bayesify quality benchmark",
         "",

@@ -3,6 +3,7 @@
     python benchmarks/quality.py                       # everything, 5 seeds (hours on 2 CPU cores)
     python benchmarks/quality.py --quick --out /tmp/q  # a smoke test: tiny sets, 1 epoch, 2 seeds (~1 min)
     python benchmarks/quality.py --tasks digits mnist1d-conv --methods deterministic rank1 --seeds 3
+    python benchmarks/quality.py --merge /tmp/a/quality.json /tmp/b/quality.json   # runs side by side -> one report
 
 Every method is trained by the one loop below (:func:`train`): Adam, minibatches in an order
 drawn from a generator seeded by the seed alone (so every method sees the same batches), the
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import sys
 import time
@@ -211,7 +213,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="corrupted image sets are kept here")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                        help="write one report from the quality.json files of runs over different tasks")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.merge:
+        merge_reports(args.merge, args.out)
+        print(f"wrote {args.out / 'quality.md'}")
+        return
     torch.set_num_threads(args.threads)
 
     if args.quick:
@@ -233,6 +241,22 @@ def main(argv: list[str] | None = None) -> None:
         # the report so far after every task: a long run that stops keeps what it measured
         write_report(results, args.out, command=command, seconds=time.time() - started, budget=budget)
     print(f"wrote {args.out / 'quality.md'}")
+
+
+def merge_reports(paths: list[Path], out: Path) -> None:
+    """One report from runs over different tasks (e.g. run side by side, one per core)."""
+    runs = [json.loads(path.read_text()) for path in paths]
+    budgets = {run["budget"] for run in runs}
+    if len(budgets) != 1:
+        raise SystemExit(f"--merge: the runs used different tuning budgets {sorted(budgets)}; merge like with like")
+    tasks = [task for run in runs for task in run["tasks"]]
+    names = [task["task"] for task in tasks]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--merge: a task appears in more than one run ({names}); merge runs over different tasks")
+    command = " ; ".join(f"`{run['command']}`" for run in runs).strip("`")
+    seconds = max(run["seconds"] for run in runs)  # side by side: the longest run's wall time
+    date = " and ".join(dict.fromkeys(run["date"] for run in runs))  # the runs' own machine and dates
+    write_report(tasks, out, command=command, seconds=seconds, budget=budgets.pop(), info=runs[0]["machine"], date=date)
 
 
 def _with_dependencies(chosen: list[Method], pool: list[Method]) -> list[Method]:

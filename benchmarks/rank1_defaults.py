@@ -42,11 +42,12 @@ from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, Rank1
 from benchmarks._quality_tasks import Scale, Task, build_task, validation_view  # noqa: E402
 from benchmarks.quality import DEFAULT_CACHE, fit, pretrain  # noqa: E402
 
-# the named recipes of the study (see /work/notes/defaults.md for what each tests)
+# the named recipes of the study (results: benchmarks/results/rank1_defaults.md)
 RECIPES: dict[str, dict[str, Any]] = {
     # experiment 1: the library as it is
-    "r1-default": {},
-    "r1-tile": {"route": "tile"},
+    # (release 0.1's defaults, spelled out: the library's own defaults are now the study's outcome)
+    "r1-default": {"convert": {"prior_std": 0.1, "init_dropout": 1e-3}, "samples": 4},
+    "r1-tile": {"convert": {"prior_std": 0.1, "init_dropout": 1e-3}, "samples": 4, "route": "tile"},
     # experiment 2: one change at a time from the defaults (sample route)
     "r1-kl0": {"convert": {"init_std": 0.1}},  # posterior scale starts at the prior's: KL = 0 at init
     "r1-klmean": {"kl_mean_over_components": True},  # KL / (K N): the bound on the mixture's KL
@@ -63,6 +64,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     # experiment 4: r1-prior0.2-kl0 again under a new name (exp. 2 ran before the [means] rows were logged),
     # and the depth check on digits-resnet
     "r1-p0.2-kl0": {"convert": {"prior_std": 0.2, "init_std": 0.2}},
+    "r1-p0.1-kl0": {"convert": {"prior_std": 0.1, "init_std": 0.1}},  # = r1-kl0, logged again with [means]
     # experiment 5: fine-tuning a pre-trained net (digits-finetune; identity at init in the means)
     "ft-r1-default": {"from_pretrained": True},
     "ft-r1-kl0": {"from_pretrained": True, "convert": {"init_std": 0.1}},
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", nargs="+", default=["digits", "mnist1d-conv"])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--log", type=Path, default=Path("/work/notes/defaults_runs.jsonl"))
+    parser.add_argument("--log", type=Path, default=Path(__file__).resolve().parent / "results" / "rank1_defaults.jsonl")
     parser.add_argument("--summary", action="store_true", help="print the tables of the log and exit")
     parser.add_argument("--ece-floor", action="store_true", help="deterministic val ECE vs a calibrated model's")
     parser.add_argument("--no-means", action="store_true", help="summary without the [means] rows")

@@ -1,16 +1,15 @@
 """A recurrent classifier on MNIST-1D, deterministic vs rank-1 BNN (no download: mnist1d generates it).
 
     python examples/mnist1d_sequence.py                       # GRU, 60 epochs, K=4, seed 0
-    python examples/mnist1d_sequence.py --seeds 0 1 2         # the README's table
+    python examples/mnist1d_sequence.py --seeds 0 1 2         # three seeds
     python examples/mnist1d_sequence.py --cell lstm
 
 Each MNIST-1D signal (40 samples) is read as a sequence of 40 steps of 1 feature by a
 bidirectional recurrent layer followed by a linear head. The same network is trained twice from
 the same initialisation, with the same optimiser, steps and batches: once as it is, once
-converted with ``bayesify.convert`` (rank-1 factors on the recurrent input / hidden kernels and
-the head, samples held across the sequence; means initialised around 1 with spread 0.1, as the
-conversion is from scratch here). Test NLL / accuracy / ECE of both are printed; the
-rank-1 model is evaluated as the mixture of its K components (its default in ``eval()``).
+converted with ``bayesify.convert`` and its defaults (rank-1 factors on the recurrent input /
+hidden kernels and the head, samples held across the sequence). Test NLL / accuracy / ECE of both
+are printed; the rank-1 model is evaluated as the mixture of its K members (its default in ``eval()``).
 """
 
 from __future__ import annotations
@@ -81,7 +80,7 @@ def train(net: nn.Module, x: Tensor, y: Tensor, epochs: int, batch: int, lr: flo
 def evaluate(net: nn.Module, x: Tensor, y: Tensor) -> dict[str, float]:
     net.eval()
     if bayesify.is_converted(net):
-        members = bayesify.predict(net, x)  # [K, N, 10]: every component, one sample each
+        members = bayesify.predict(net, x)  # [K, N, 10]: every component at its posterior means
         components = members.shape[0]
     else:
         members, components = net(x).unsqueeze(0), 1
@@ -97,8 +96,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--components", type=int, default=4)
-    parser.add_argument("--prior-std", type=float, default=0.1)
-    parser.add_argument("--init-mean-std", type=float, default=0.1, help="spread of the factor means around 1")
+    parser.add_argument("--prior-std", type=float, default=None, help="default: convert()'s (scaled to the depth)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -112,9 +110,7 @@ def main() -> None:
         deterministic = SequenceClassifier(args.cell, args.hidden)
         rank1 = SequenceClassifier(args.cell, args.hidden)
         rank1.load_state_dict(deterministic.state_dict())  # the same starting point for both
-        bayesify.convert(
-            rank1, components=args.components, init="normal", init_mean_std=args.init_mean_std, prior_std=args.prior_std
-        )
+        bayesify.convert(rank1, components=args.components, prior_std=args.prior_std)  # otherwise the defaults
         if seed == args.seeds[0]:
             print(bayesify.summary(rank1, x_te[:2]))
             print()

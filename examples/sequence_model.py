@@ -16,15 +16,14 @@ as an outcome like mortality, which is why AUC-PR is reported next to NLL and EC
 The same network is trained twice from the same initialisation by the same loop (Adam, one-cycle
 schedule, binary cross-entropy), once as it is and once after
 
-    bayesify.convert(model, embeddings=True, task="binary", init="normal")
+    bayesify.convert(model, embeddings=True, task="binary")
 
 ``embeddings=True`` makes the ``nn.Embedding`` a Gaussian variational embedding (KL to a
 Normal(0, 1) prior), ``task="binary"`` says the output is one sigmoid logit (a plain ``nn.Module``
 does not say what its output means, so bayesify asks instead of guessing): in ``eval()`` the K
-members reduce to ``logit(mean_k sigmoid(z_k))``. ``init="normal"`` spreads the factor means around
-1, as the network is trained from scratch. Both nets are evaluated with
-``bayesify.evaluation.evaluate(..., task="binary")``: the converted one as the mixture of K
-components x M samples.
+members reduce to ``logit(mean_k sigmoid(z_k))``. Every other option is the default. Both nets are
+evaluated with ``bayesify.evaluation.evaluate(..., task="binary")``: the converted one as the
+mixture of its K members at their posterior means (what ``eval()`` computes).
 """
 
 from __future__ import annotations
@@ -126,7 +125,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--components", type=int, default=4)
-    parser.add_argument("--samples", type=int, default=4, help="posterior samples per component at evaluation")
+    parser.add_argument("--samples", type=int, default=1, help="posterior samples per component at evaluation (1: the means)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="3 steps, hidden 16, 200 test sequences: checks it runs")
@@ -141,7 +140,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     deterministic = SequenceModel(args.cell, args.embedding_dim, args.hidden)
     model = copy.deepcopy(deterministic)  # the same initial weights for both
-    bayesify.convert(model, components=args.components, embeddings=True, task="binary", init="normal")
+    bayesify.convert(model, components=args.components, embeddings=True, task="binary")
     print(bayesify.summary(model, x_test[:2]))
     print()
 

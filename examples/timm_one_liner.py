@@ -8,12 +8,11 @@ The data are scikit-learn's 8x8 handwritten digits (no download), upsampled to 1
 timm network (``num_classes=10, in_chans=1``) is trained twice from the same initialisation by the
 same loop: once as it is, once after the one line
 
-    bayesify.convert(model, init="normal")
+    bayesify.convert(model)
 
-A timm model states what its output is (class logits), so ``convert`` needs no ``task=``: the
-summary's ``output:`` line shows what bayesify read from the model. ``init="normal"`` spreads the K
-components' factor means around 1 because this net is trained from scratch; a pretrained model
-keeps the default (``init="preserve"``: every component starts as the pretrained net).
+with the defaults, the same for a net trained from scratch as for a pretrained one. A timm model
+states what its output is (class logits), so ``convert`` needs no ``task=``: the summary's
+``output:`` line shows what bayesify read from the model.
 
 After training, ``model.eval()`` makes the converted net return the K-component mixture
 predictive in the shape the deterministic net returns (log mean softmax, usable as logits);
@@ -115,7 +114,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--components", type=int, default=4)
-    parser.add_argument("--samples", type=int, default=4, help="posterior samples per component at evaluation")
+    parser.add_argument("--samples", type=int, default=1, help="posterior samples per component at evaluation (1: the means)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="3 steps and 64 test images: checks that it runs")
     args = parser.parse_args()
@@ -129,7 +128,7 @@ def main() -> None:
     deterministic = timm.create_model(args.model, num_classes=10, in_chans=1)
     model = copy.deepcopy(deterministic)  # the same initial weights for both
 
-    model = bayesify.convert(model, components=args.components, init="normal")  # the one line
+    model = bayesify.convert(model, components=args.components)  # the one line
     print(bayesify.summary(model, x_test[:2]))
     print()
 

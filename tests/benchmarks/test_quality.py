@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._quality_methods import FINETUNE_METHODS, METHODS  # noqa: E402
-from benchmarks._quality_tasks import TASKS  # noqa: E402
+from benchmarks._quality_tasks import DEFAULT_TASKS  # noqa: E402
 from benchmarks._regression_metrics import gaussian_mixture_metrics  # noqa: E402
 
 pytest.importorskip("sklearn")
@@ -42,7 +42,7 @@ def _expected(task: str) -> list[str]:
 @pytest.mark.slow
 def test_quick_run_reports_every_method_of_every_task(quick_run: Path) -> None:
     report = json.loads((quick_run / "quality.json").read_text())
-    assert [t["task"] for t in report["tasks"]] == list(TASKS)
+    assert [t["task"] for t in report["tasks"]] == list(DEFAULT_TASKS)  # what the command runs by default
     markdown = (quick_run / "quality.md").read_text()
     for task in report["tasks"]:
         name = task["task"]
@@ -67,6 +67,26 @@ def test_quick_run_has_the_task_metrics(quick_run: Path) -> None:
     # ratios against the deterministic run of the same seed; a deep ensemble holds K = 4 networks
     assert summary["digits"]["deterministic"]["train_x"][0] == 1.0
     assert summary["digits"]["deep-ensemble"]["params_x"][0] == 4.0
+
+
+@pytest.mark.slow
+def test_runs_over_different_tasks_merge_into_one_report(quick_run: Path, tmp_path: Path) -> None:
+    report = json.loads((quick_run / "quality.json").read_text())
+    halves = []
+    for i, tasks in enumerate((report["tasks"][:1], report["tasks"][1:])):
+        halves.append(tmp_path / f"run{i}.json")
+        halves[-1].write_text(json.dumps({**report, "tasks": tasks, "command": f"run {i}"}))
+    merged = tmp_path / "merged"
+    quality = [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--merge"]
+    subprocess.run([*quality, *map(str, halves), "--out", str(merged)], cwd=ROOT, check=True, timeout=300)
+    again = json.loads((merged / "quality.json").read_text())
+    assert [t["task"] for t in again["tasks"]] == [t["task"] for t in report["tasks"]]
+    assert again["summary"] == report["summary"]
+    assert "`run 0` ; `run 1`" in (merged / "quality.md").read_text()
+    # the same task twice is refused, not reported twice
+    twice = subprocess.run([*quality, str(halves[0]), str(halves[0]), "--out", str(merged)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert twice.returncode != 0 and "appears in more than one run" in twice.stderr
 
 
 def test_gaussian_mixture_metrics_match_the_formulas() -> None:
