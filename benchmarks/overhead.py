@@ -4,6 +4,7 @@
     python benchmarks/overhead.py --models resnet18:32 --repeats 25 --threads 2
     python benchmarks/overhead.py --device cuda --models resnet50:224 --batch 128 --amp bf16 [--compile]
     python benchmarks/overhead.py --peers                 # + BatchEnsemble and bayesian-torch's mean-field
+    python benchmarks/overhead.py --models resnet18:32 --profile   # + where the extra time goes (torch.profiler)
 
 For each model (``name:image size``, timm), K components, batch B, in one process, every row
 timed round-robin with its yardstick (median of ``--repeats`` after a warm-up, so load on the
@@ -215,6 +216,33 @@ def recurrent_rows(args: argparse.Namespace, device: torch.device) -> list[list[
     return rows
 
 
+def profile(spec: str, args: argparse.Namespace, device: torch.device, amp: torch.dtype | None) -> str:
+    """Where a default-route training step's extra time goes: torch.profiler's op table, det vs rank-1."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    base, size = _model(spec, device)
+    x = torch.randn(args.batch, 3, size, size, device=device)
+    y = torch.randint(10, (args.batch,), device=device)
+    rank1 = bayesify.convert(copy.deepcopy(base), components=args.components, sampling=args.sampling)
+    steps = {"deterministic": make_step(base, x, y, amp=amp), "rank-1": make_step(rank1, x, y, kl=bayesify.kl_divergence, amp=amp)}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out = []
+    for name, step in steps.items():
+        for _ in range(3):
+            step()
+        with torch_profile(activities=activities) as prof:
+            for _ in range(5):
+                step()
+        events = prof.key_averages()
+        calls = sum(e.count for e in events) / 5
+        total = sum(e.self_cpu_time_total for e in events) / 5 / 1e3
+        out.append(f"### {name}: {calls:.0f} op calls per step, {total:.1f} ms of self CPU time per step\n")
+        out.append("```\n" + events.table(sort_by=sort, row_limit=12, max_name_column_width=40) + "```\n")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="resnet18:32,vit_tiny_patch16_224:64", help="timm name:image size, comma-separated")
@@ -228,6 +256,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
     parser.add_argument("--peers", action="store_true", help="add BatchEnsemble and bayesian-torch rows")
     parser.add_argument("--no-recurrent", dest="recurrent", action="store_false", help="skip the LSTM / GRU rows")
+    parser.add_argument("--profile", action="store_true", help="also print the op profile of the first model's steps")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -249,6 +278,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    if args.profile:
+        print(f"\n## Profile: {args.models.split(',')[0]}, B={args.batch}, one training step (mean of 5)\n")
+        print(profile(args.models.split(",")[0], args, device, amp))
 
 
 if __name__ == "__main__":
