@@ -140,8 +140,17 @@ def rank1_folded(
     is not ``x * W + const``), so it takes :func:`rank1_affine`.
     """
     outputs = []
-    for i, (start, stop) in enumerate(blocks):
+    for i, part in enumerate(_block_views(x, blocks, batch_axis)):
         w = fold_weight(weight, r[i], s[i], groups=groups, transposed=transposed)
-        part = x.narrow(batch_axis, start, stop - start)
         outputs.append(apply(part, w, None if offset is None else offset[i]))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, batch_axis)
+
+
+def _block_views(x: Tensor, blocks: tuple[tuple[int, int], ...], axis: int) -> tuple[Tensor, ...]:
+    """The rows of each block. One ``split`` when the blocks tile the axis (its backward is one
+    ``cat``; ``narrow``'s is a zero-filled input-sized gradient per block, summed: K extra
+    activation-sized passes per layer in the backward)."""
+    sizes = [stop - start for start, stop in blocks]
+    if blocks[0][0] == 0 and all(a[1] == b[0] for a, b in zip(blocks, blocks[1:])) and blocks[-1][1] == x.shape[axis]:
+        return x.split(sizes, axis)
+    return tuple(x.narrow(axis, start, size) for (start, _), size in zip(blocks, sizes))
