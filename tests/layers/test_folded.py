@@ -190,3 +190,20 @@ def test_evaluation_at_the_means_folds_each_member_once_and_follows_weight_chang
     assert folded[0].rank1_state.folded is not kept
     folded.train()(x).sum().backward()  # training drops what evaluation kept
     assert folded[0].rank1_state.folded is None
+
+
+def test_auto_evaluation_folds_only_the_layers_where_folding_pays() -> None:
+    """``sampling="auto"`` at the means: a convolution with large activations next to its weight keeps K folded
+    weights; a wide Linear on a few rows runs the per-row path (K small matmuls would cost more than one of
+    K*B rows); both give the members' function."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 30 * 30, 64), nn.Linear(64, 3))
+    auto = bayesify.convert(copy.deepcopy(model).to(DT), components=K, task="classification")
+    _randomise(auto)
+    per_row = bayesify.convert(copy.deepcopy(model).to(DT), components=K, task="classification", sampling="example")
+    per_row.load_state_dict(auto.state_dict())
+    x = torch.randn(3, 3, 32, 32, dtype=DT)
+    with torch.no_grad():
+        out = auto.eval()(x)
+        torch.testing.assert_close(out, per_row.eval()(x))
+    assert auto[0].rank1_state.folded is not None  # conv: 4*3*3*3 weights, 3*3*32*32 + 3*4*30*30 activations
+    assert auto[3].rank1_state.folded is None and auto[4].rank1_state.folded is None
