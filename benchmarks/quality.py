@@ -4,6 +4,8 @@
     python benchmarks/quality.py --quick --out /tmp/q  # a smoke test: tiny sets, 1 epoch, 2 seeds (~1 min)
     python benchmarks/quality.py --tasks digits mnist1d-conv --methods deterministic rank1 --seeds 3
     python benchmarks/quality.py --merge /tmp/a/quality.json /tmp/b/quality.json   # runs side by side -> one report
+    python benchmarks/quality.py --seed-start 3 --seeds 2 --tuned benchmarks/results/quality.json --out /tmp/more
+                                                       # two more seeds with the same settings; then --merge both
 
 Every method is trained by the one loop below (:func:`train`): Adam, minibatches in an order
 drawn from a generator seeded by the seed alone (so every method sees the same batches), the
@@ -168,17 +170,25 @@ def pretrain(task: Task, seed: int, lr: float) -> nn.Module:
     return net
 
 
-def run_task(task: Task, methods: list[Method], seeds: list[int], budget: int, log: Any) -> dict[str, Any]:
+def run_task(
+    task: Task, methods: list[Method], seeds: list[int], budget: int, log: Any, tuned: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Tune every method (or take ``tuned``: ``{method: config}`` of an earlier run), then train and test each seed."""
     start = time.perf_counter()
     task.shifts()  # corrupt once, before any timing
     log(f"[{task.name}] {len(task.shifts())} shifted sets ready in {time.perf_counter() - start:.1f} s")
+    tuned = tuned or {}
     if task.finetune:
-        for s in [TUNING_SEED, *seeds]:
+        for s in [*([] if tuned else [TUNING_SEED]), *seeds]:
             task.pretrained[s] = pretrain(task, s, lr=task.pretrain_lr)
     configs: dict[str, dict[str, Any]] = {}
     for method in methods:
-        configs[method.key] = tune(method, task, budget, {k: {"config": c} for k, c in configs.items()}, log)
-        log(f"[{task.name}] {method.key}: {({k: v for k, v in configs[method.key].items() if k in ('lr', 'knob')})}")
+        if method.key in tuned:
+            configs[method.key] = tuned[method.key]
+        else:
+            configs[method.key] = tune(method, task, budget, {k: {"config": c} for k, c in configs.items()}, log)
+        log(f"[{task.name}] {method.key}: {({k: v for k, v in configs[method.key].items() if k in ('lr', 'knob')})}"
+            + (" (from --tuned)" if method.key in tuned else ""))  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {m.key: [] for m in methods}
     for seed in seeds:
         trained: dict[str, tuple[nn.Module, float]] = {}
@@ -207,7 +217,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=list(TASKS))
     every = [m.key for m in METHODS + FINETUNE_METHODS]
     parser.add_argument("--methods", nargs="+", default=None, choices=every, help="default: all of a task's")
-    parser.add_argument("--seeds", type=int, default=5, help="seeds 0 .. N-1")
+    parser.add_argument("--seeds", type=int, default=5, help="how many seeds: S .. S+N-1 (S: --seed-start)")
+    parser.add_argument("--seed-start", type=int, default=0, help="the first seed (more seeds for an earlier run)")
+    parser.add_argument("--tuned", type=Path, metavar="JSON",
+                        help="take each method's tuned settings from this quality.json instead of tuning again")  # fmt: skip
     parser.add_argument("--budget", type=int, default=BUDGET, help="validation runs per method (1: no tuning)")
     parser.add_argument("--quick", action="store_true", help="tiny sets, 1 epoch, 2 seeds, no tuning: a smoke test")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -228,7 +241,14 @@ def main(argv: list[str] | None = None) -> None:
         )
         seeds, budget = [0, 1], 1
     else:
-        scale, seeds, budget = Scale(cache_dir=args.cache_dir), list(range(args.seeds)), args.budget
+        scale, budget = Scale(cache_dir=args.cache_dir), args.budget
+        seeds = list(range(args.seed_start, args.seed_start + args.seeds))
+    tuned: dict[str, dict[str, Any]] = {}
+    if args.tuned is not None:
+        earlier = json.loads(args.tuned.read_text())
+        if earlier["budget"] != budget:
+            raise SystemExit(f"--tuned {args.tuned} was tuned with --budget {earlier['budget']}, this run has {budget}")
+        tuned = {t["task"]: {k: m["config"] for k, m in t["methods"].items()} for t in earlier["tasks"]}
     started = time.time()
     command = ("python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     results = []
@@ -237,26 +257,46 @@ def main(argv: list[str] | None = None) -> None:
         pool = FINETUNE_METHODS if task.finetune else METHODS
         chosen = [m for m in pool if args.methods is None or m.key in args.methods]
         chosen = _with_dependencies(chosen, pool)
-        results.append(run_task(task, chosen, seeds, budget, log=lambda s: print(s, flush=True)))
+        if args.tuned is not None and name not in tuned:
+            raise SystemExit(f"--tuned {args.tuned} has no task {name!r}; it has {sorted(tuned)}")
+        log = lambda s: print(s, flush=True)  # noqa: E731
+        results.append(run_task(task, chosen, seeds, budget, log=log, tuned=tuned.get(name)))
         # the report so far after every task: a long run that stops keeps what it measured
         write_report(results, args.out, command=command, seconds=time.time() - started, budget=budget)
     print(f"wrote {args.out / 'quality.md'}")
 
 
 def merge_reports(paths: list[Path], out: Path) -> None:
-    """One report from runs over different tasks (e.g. run side by side, one per core)."""
+    """One report from several runs: over different tasks (run side by side), or over more seeds of a task
+    with the same settings (``--tuned``)."""
     runs = [json.loads(path.read_text()) for path in paths]
     budgets = {run["budget"] for run in runs}
     if len(budgets) != 1:
         raise SystemExit(f"--merge: the runs used different tuning budgets {sorted(budgets)}; merge like with like")
-    tasks = [task for run in runs for task in run["tasks"]]
-    names = [task["task"] for task in tasks]
-    if len(set(names)) != len(names):
-        raise SystemExit(f"--merge: a task appears in more than one run ({names}); merge runs over different tasks")
+    tasks: dict[str, dict[str, Any]] = {}
+    for task in (task for run in runs for task in run["tasks"]):
+        if task["task"] not in tasks:
+            tasks[task["task"]] = copy.deepcopy(task)
+            continue
+        # the same task in another run: more seeds of the same methods with the same settings
+        into = tasks[task["task"]]
+        for key, method in task["methods"].items():
+            have = into["methods"].get(key)
+            if have is None or _settings(have["config"]) != _settings(method["config"]):
+                raise SystemExit(f"--merge: {task['task']}/{key} has other settings or is missing in one run; "
+                                 "merge runs made with --tuned from the same report")  # fmt: skip
+            seeds = [r["seed"] for r in have["runs"]] + [r["seed"] for r in method["runs"]]
+            if len(set(seeds)) != len(seeds):
+                raise SystemExit(f"--merge: {task['task']}/{key} has seed(s) in more than one run ({sorted(seeds)})")
+            have["runs"] = sorted(have["runs"] + method["runs"], key=lambda r: r["seed"])
     command = " ; ".join(f"`{run['command']}`" for run in runs).strip("`")
     seconds = max(run["seconds"] for run in runs)  # side by side: the longest run's wall time
     date = " and ".join(dict.fromkeys(run["date"] for run in runs))  # the runs' own machine and dates
-    write_report(tasks, out, command=command, seconds=seconds, budget=budgets.pop(), info=runs[0]["machine"], date=date)
+    write_report(list(tasks.values()), out, command=command, seconds=seconds, budget=budgets.pop(), info=runs[0]["machine"], date=date)
+
+
+def _settings(config: dict[str, Any]) -> tuple[Any, Any]:
+    return config.get("lr"), config.get("knob")
 
 
 def _with_dependencies(chosen: list[Method], pool: list[Method]) -> list[Method]:

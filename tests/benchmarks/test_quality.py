@@ -70,7 +70,7 @@ def test_quick_run_has_the_task_metrics(quick_run: Path) -> None:
 
 
 @pytest.mark.slow
-def test_runs_over_different_tasks_merge_into_one_report(quick_run: Path, tmp_path: Path) -> None:
+def test_runs_over_different_tasks_or_seeds_merge_into_one_report(quick_run: Path, tmp_path: Path) -> None:
     report = json.loads((quick_run / "quality.json").read_text())
     halves = []
     for i, tasks in enumerate((report["tasks"][:1], report["tasks"][1:])):
@@ -83,10 +83,32 @@ def test_runs_over_different_tasks_merge_into_one_report(quick_run: Path, tmp_pa
     assert [t["task"] for t in again["tasks"]] == [t["task"] for t in report["tasks"]]
     assert again["summary"] == report["summary"]
     assert "`run 0` ; `run 1`" in (merged / "quality.md").read_text()
-    # the same task twice is refused, not reported twice
+    # more seeds of the same tasks: one run per seed merges back into the whole
+    by_seed = []
+    for seed in (0, 1):
+        tasks = [{**t, "methods": {k: {**m, "runs": [r for r in m["runs"] if r["seed"] == seed]}
+                                   for k, m in t["methods"].items()}} for t in report["tasks"]]  # fmt: skip
+        by_seed.append(tmp_path / f"seed{seed}.json")
+        by_seed[-1].write_text(json.dumps({**report, "tasks": tasks}))
+    subprocess.run([*quality, *map(str, reversed(by_seed)), "--out", str(merged)], cwd=ROOT, check=True, timeout=300)
+    assert json.loads((merged / "quality.json").read_text())["summary"] == report["summary"]
+    # the same seed twice is refused, not counted twice
     twice = subprocess.run([*quality, str(halves[0]), str(halves[0]), "--out", str(merged)], cwd=ROOT,
                            capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert twice.returncode != 0 and "appears in more than one run" in twice.stderr
+    assert twice.returncode != 0 and "seed(s) in more than one run" in twice.stderr
+
+
+@pytest.mark.slow
+def test_tuned_settings_are_taken_from_an_earlier_report(quick_run: Path, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", "--tasks", "breast-cancer",
+         "--tuned", str(quick_run / "quality.json"), "--out", str(tmp_path)],
+        cwd=ROOT, check=True, timeout=600, capture_output=True, text=True,
+    )  # fmt: skip
+    earlier = {t["task"]: t for t in json.loads((quick_run / "quality.json").read_text())["tasks"]}["breast-cancer"]
+    again = json.loads((tmp_path / "quality.json").read_text())["tasks"][0]
+    assert done.stdout.count("(from --tuned)") == len(earlier["methods"])
+    assert {k: m["config"] for k, m in again["methods"].items()} == {k: m["config"] for k, m in earlier["methods"].items()}
 
 
 def test_gaussian_mixture_metrics_match_the_formulas() -> None:
