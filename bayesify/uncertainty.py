@@ -590,9 +590,11 @@ def uncertainty(
     Args:
         model: a converted model (in eval mode for evaluation).
         *inputs: the batch, as the model takes it (``**kwargs`` too).
-        samples: posterior samples per component (M).
+        samples: posterior samples per component (M); with ``noise=False`` one pass per component
+            (the posterior means are the same in every sample).
         task: what the output means; default: the model's (see :mod:`bayesify.tasks`).
-        noise: sample the factors (default) or use the posterior means.
+        noise: sample the factors (default) or use the posterior means (``False``: the K members
+            that ``model.eval()`` averages, so the decomposition describes the eval output).
 
     Example:
         >>> u = bayesify.uncertainty(model.eval(), x, samples=4)
@@ -606,7 +608,7 @@ def uncertainty(
     from bayesify.mode import predict
     from bayesify.tasks import Auto, TaskMap, parse_task
 
-    members = predict(model, *inputs, samples=samples, noise=noise, **kwargs)
+    members = predict(model, *inputs, samples=1 if noise is False else samples, noise=noise, **kwargs)
     resolved = find_router(model).task if task is None else parse_task(task)
     if isinstance(resolved, Auto):
         raise ValueError(

@@ -89,6 +89,10 @@ def test_gaussian_head_reduces_by_the_law_of_total_variance() -> None:
     u = bayesify.uncertainty(model, x, samples=1, noise=False)
     torch.testing.assert_close(u.total_variance, total)
     torch.testing.assert_close(u.epistemic_variance, ((means - means.mean(0)) ** 2).mean(0))
+    # at the means every sample is the same: one pass per component whatever `samples` says
+    again = bayesify.uncertainty(model, x, noise=False)
+    assert again.member_means.shape[0] == K
+    torch.testing.assert_close(again.total_variance, total)
 
 
 def test_a_three_axis_output_needs_its_class_axis() -> None:
