@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="corrupted image sets are kept here")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
-                        help="write one report from the quality.json files of runs over different tasks")  # fmt: skip
+                        help="one report from the quality.json files of runs over different tasks or seeds")  # fmt: skip
     args = parser.parse_args(argv)
     if args.merge:
         merge_reports(args.merge, args.out)
@@ -290,7 +290,7 @@ def merge_reports(paths: list[Path], out: Path) -> None:
                 raise SystemExit(f"--merge: {task['task']}/{key} has seed(s) in more than one run ({sorted(seeds)})")
             have["runs"] = sorted(have["runs"] + method["runs"], key=lambda r: r["seed"])
     command = " ; ".join(f"`{run['command']}`" for run in runs).strip("`")
-    seconds = max(run["seconds"] for run in runs)  # side by side: the longest run's wall time
+    seconds = sum(run["seconds"] for run in runs)  # the runs' times added (some may have run side by side)
     date = " and ".join(dict.fromkeys(run["date"] for run in runs))  # the runs' own machine and dates
     write_report(list(tasks.values()), out, command=command, seconds=seconds, budget=budgets.pop(), info=runs[0]["machine"], date=date)
 
