@@ -67,5 +67,12 @@ def kl_loss(model: nn.Module, num_train: int, *, step: int | None = None, warmup
         raise ValueError(f"num_train={num_train!r} must be the number of training examples (an int >= 1).")
     if warmup_steps < 0:
         raise ValueError(f"warmup_steps={warmup_steps!r} must be >= 0 (0: no warm-up).")
-    weight = 1.0 if step is None or warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+    weight = 1.0 if step is None else kl_scale(step, warmup_steps)
     return kl_divergence(model) * (weight / num_train)
+
+
+def kl_scale(step: int, annealing_steps: int) -> float:
+    """``min(1, (step + 1) / annealing_steps)``: linear KL annealing (1 when ``annealing_steps <= 0``)."""
+    if annealing_steps <= 0:
+        return 1.0
+    return min(1.0, (step + 1) / annealing_steps)

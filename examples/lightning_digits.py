@@ -57,19 +57,6 @@ def make_net() -> nn.Module:
     )  # fmt: skip
 
 
-# ---- the KL term: the one place to change when bayesify's drop-in recipe lands ---------------------
-KL_WARMUP = 0.5  # fraction of the steps over which the KL weight rises linearly from 0 to 1
-
-
-def kl_term(model: nn.Module, step: int, total_steps: int, train_size: int) -> Tensor:
-    """``w * KL / N``: the KL of the rank-1 factors per training example, ``w`` warmed up linearly."""
-    weight = min(1.0, (step + 1) / (KL_WARMUP * total_steps))
-    return weight * bayesify.kl_divergence(model) / train_size
-
-
-# ----------------------------------------------------------------------------------------------------
-
-
 class Classifier(L.LightningModule):
     """Trains ``net`` (plain or converted) with cross-entropy (+ the KL term when converted).
 
@@ -94,7 +81,7 @@ class Classifier(L.LightningModule):
         nll = F.cross_entropy(self.net(x), y)  # training: one component per example, ~1x the cost
         loss = nll
         if bayesify.is_converted(self.net):
-            kl = kl_term(self.net, self.global_step, self.trainer.estimated_stepping_batches, self.train_size)
+            kl = bayesify.kl_loss(self.net, self.train_size, step=self.global_step, warmup_steps=self.trainer.estimated_stepping_batches // 2)
             loss = nll + kl
             self.log("kl", kl, batch_size=len(y))
         self.log("train_nll", nll, batch_size=len(y))

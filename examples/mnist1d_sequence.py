@@ -67,7 +67,7 @@ def train(net: nn.Module, x: Tensor, y: Tensor, epochs: int, batch: int, lr: flo
             idx = order[i : i + batch]
             loss = F.cross_entropy(net(x[idx]), y[idx])
             if bayesian:  # ELBO: KL per training example, linearly annealed over 2/3 of training (reference)
-                loss = loss + bayesify.kl_divergence(net) * min(1.0, (step + 1) / (2 / 3 * total)) / len(x)
+                loss = loss + bayesify.kl_loss(net, len(x), step=step, warmup_steps=2 * total // 3)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 5.0)

@@ -74,19 +74,6 @@ class SequenceModel(nn.Module):
         return self.head(last[-1]).squeeze(-1)
 
 
-# ---- the KL term: the one place to change when bayesify's drop-in recipe lands ---------------------
-KL_WARMUP = 0.5  # fraction of the steps over which the KL weight rises linearly from 0 to 1
-
-
-def kl_term(model: nn.Module, step: int, total_steps: int, train_size: int) -> Tensor:
-    """``w * KL / N``: the KL of the rank-1 factors and the embeddings per training example, ``w`` warmed up."""
-    weight = min(1.0, (step + 1) / (KL_WARMUP * total_steps))
-    return weight * bayesify.kl_divergence(model) / train_size
-
-
-# ----------------------------------------------------------------------------------------------------
-
-
 def train(
     model: nn.Module, x: Tensor, y: Tensor, *, epochs: int, batch: int, lr: float, max_steps: int | None
 ) -> float:
@@ -104,7 +91,7 @@ def train(
             idx = order[i : i + batch]
             loss = F.binary_cross_entropy_with_logits(model(x[idx]), y[idx])
             if bayesify.is_converted(model):
-                loss = loss + kl_term(model, step, total, len(x))
+                loss = loss + bayesify.kl_loss(model, len(x), step=step, warmup_steps=total // 2)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)

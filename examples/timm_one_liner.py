@@ -54,19 +54,6 @@ def load(size: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return images[train], labels[train], images[test], labels[test], noise
 
 
-# ---- the KL term: the one place to change when bayesify's drop-in recipe lands ---------------------
-KL_WARMUP = 0.5  # fraction of the steps over which the KL weight rises linearly from 0 to 1
-
-
-def kl_term(model: nn.Module, step: int, total_steps: int, train_size: int) -> Tensor:
-    """``w * KL / N``: the KL of the rank-1 factors per training example, ``w`` warmed up linearly."""
-    weight = min(1.0, (step + 1) / (KL_WARMUP * total_steps))
-    return weight * bayesify.kl_divergence(model) / train_size
-
-
-# ----------------------------------------------------------------------------------------------------
-
-
 def train(
     model: nn.Module, x: Tensor, y: Tensor, *, epochs: int, batch: int, lr: float, max_steps: int | None
 ) -> float:
@@ -84,7 +71,7 @@ def train(
             idx = order[i : i + batch]
             loss = F.cross_entropy(model(x[idx]), y[idx])
             if bayesify.is_converted(model):
-                loss = loss + kl_term(model, step, total, len(x))
+                loss = loss + bayesify.kl_loss(model, len(x), step=step, warmup_steps=total // 2)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

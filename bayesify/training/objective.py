@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from bayesify._router import find_router
 from bayesify.inspection import NORM_LAYERS, is_converted, num_components, rank1_layers, rank1_parameters
-from bayesify.kl import kl_divergence
+from bayesify.kl import kl_divergence, kl_scale
 from bayesify.mixture import logmeanexp
 from bayesify.options import StrOption
 from bayesify.tasks import Auto, Binary, Classification, Task, parse_task
@@ -73,13 +73,6 @@ def unwrap(model: nn.Module) -> nn.Module:
         if inner is None:
             return model
         model = inner
-
-
-def kl_scale(step: int, annealing_steps: int) -> float:
-    """``min(1, (step + 1) / annealing_steps)``: linear KL annealing (1 when ``annealing_steps <= 0``)."""
-    if annealing_steps <= 0:
-        return 1.0
-    return min(1.0, (step + 1) / annealing_steps)
 
 
 def default_task(output: Tensor) -> Task:
