@@ -40,7 +40,12 @@ bench: install
 quality: install
 	$(PY) benchmarks/quality.py
 
+# torch 2.9.0 from PyPI is a CUDA build: the venv takes about 7.1 GB. Say so before pip runs out of disk.
+XLA_NEEDS_GB ?= 8
 $(XLA_VENV)/.installed: pyproject.toml
+	@mkdir -p $(dir $(abspath $(XLA_VENV))); free=$$(df -Pk $(dir $(abspath $(XLA_VENV))) | awk 'NR==2{print int($$4/1048576)}'); \
+	if [ "$$free" -lt $(XLA_NEEDS_GB) ]; then \
+	  echo "make test-xla: the torch-xla venv needs about $(XLA_NEEDS_GB) GB of disk, $$free GB free at $(abspath $(XLA_VENV)); free space (make clean removes both venvs) or set XLA_VENV=/path/on/a/larger/disk" >&2; exit 1; fi
 	$(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_VENV)/bin/python -m pip install -q --upgrade pip
 	$(XLA_VENV)/bin/python -m pip install -q $(XLA_SPEC)
