@@ -28,10 +28,13 @@ References:
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
+
+from bayesify.layers._recompute import recomputing
 
 __all__ = ["broadcast_rows", "fold_weight", "rank1_affine", "rank1_folded"]
 
@@ -76,7 +79,12 @@ def rank1_affine(
         The layer's output for every row.
     """
     s = broadcast_rows(s.to(x.dtype), x.dim(), batch_axis, channel_axis)
-    out = core(x + s if additive else x * s)
+    if additive:
+        out = core(x + s)
+    else:
+        scaled = x * s
+        with recomputing((scaled, torch.mul, (x, s))):  # the core's saved copy of x o s: made again in backward
+            out = core(scaled)
     nd = out.dim()
     r = broadcast_rows(r.to(out.dtype), nd, batch_axis, channel_axis)
     if offset is not None:
@@ -101,16 +109,56 @@ def fold_weight(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, transp
             ``[in, out]`` is its case without groups or kernel).
         r: ``[out]``; s: ``[in]`` (a grouped convolution's weight holds group ``g``'s inputs in the rows
             of group ``g``'s outputs, and a grouped transposed one the reverse).
+
+    With a gradient to take, it is one autograd node that keeps only ``W``, ``r`` and ``s`` (not the
+    weight-sized ``W o r``), and its backward takes the factors' gradients as one reduction each.
     """
-    if transposed:  # the same maths with the roles of the two leading axes swapped
-        return fold_weight(weight, s, r, groups=groups)
-    out, per_group = weight.shape[0], weight.shape[1]
-    if groups > 1:
-        s = s.view(groups, 1, per_group).expand(groups, out // groups, per_group).reshape(out, per_group)
-    else:
-        s = s.view(1, per_group)
-    kernel = (1,) * (weight.dim() - 2)
-    return weight * r.view(out, 1, *kernel) * s.view(s.shape[0], per_group, *kernel)
+    rows, columns = (s, r) if transposed else (r, s)  # transposed: the same maths, the two leading axes swapped
+    if torch.is_grad_enabled() and (weight.requires_grad or rows.requires_grad or columns.requires_grad):
+        return _FoldWeight.apply(weight, rows, columns, groups)
+    return _fold(weight, rows, columns, groups)
+
+
+def _columns(columns: Tensor, rows: int, per_group: int, groups: int) -> Tensor:
+    """The column factor as ``[rows or 1, per_group]``: group ``g``'s columns on group ``g``'s rows."""
+    if groups == 1:
+        return columns.view(1, per_group)
+    return columns.view(groups, 1, per_group).expand(groups, rows // groups, per_group).reshape(rows, per_group)
+
+
+def _fold(weight: Tensor, rows: Tensor, columns: Tensor, groups: int) -> Tensor:
+    """``weight[i, j, ...] * rows[i] * columns[j]`` (``j`` within the row's group)."""
+    n, per_group = weight.shape[0], weight.shape[1]
+    outer = rows.view(n, 1) * _columns(columns, n, per_group, groups)
+    return weight * outer.view(n, per_group, *(1,) * (weight.dim() - 2))
+
+
+class _FoldWeight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, rows: Tensor, columns: Tensor, groups: int) -> Tensor:  # type: ignore[override]
+        ctx.groups = groups
+        ctx.save_for_backward(weight, rows, columns)
+        return _fold(weight, rows, columns, groups)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        weight, rows, columns = ctx.saved_tensors
+        groups, (n, per_group) = ctx.groups, weight.shape[:2]
+        d_weight = d_rows = d_columns = None
+        if ctx.needs_input_grad[0]:
+            d_weight = _fold(grad, rows, columns, groups)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            q = grad * weight  # d/d(outer), summed over the kernel: [n, per_group]
+            if q.dim() > 2:
+                q = q.flatten(2).sum(2)
+            if groups == 1:
+                d_rows, d_columns = q @ columns, rows @ q
+            else:
+                d_rows = (q * _columns(columns, n, per_group, groups)).sum(1)
+                d_columns = (q.view(groups, n // groups, per_group) * rows.view(groups, n // groups, 1)).sum(1)
+                d_columns = d_columns.reshape(-1)
+            d_rows, d_columns = d_rows.to(rows.dtype), d_columns.to(columns.dtype)
+        return d_weight, d_rows, d_columns, None
 
 
 def rank1_folded(
@@ -142,7 +190,8 @@ def rank1_folded(
     outputs = []
     for i, part in enumerate(_block_views(x, blocks, batch_axis)):
         w = fold_weight(weight, r[i], s[i], groups=groups, transposed=transposed)
-        outputs.append(apply(part, w, None if offset is None else offset[i]))
+        with recomputing((w, functools.partial(fold_weight, groups=groups, transposed=transposed), (weight, r[i], s[i]))):
+            outputs.append(apply(part, w, None if offset is None else offset[i]))  # w is folded again in backward
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, batch_axis)
 
 

@@ -1,0 +1,82 @@
+"""Saved tensors kept as their recipe: what the rank-1 op does not hold between forward and backward.
+
+The rank-1 op makes tensors that the layer's own map then saves for its backward pass: the scaled
+input ``x o s`` (per-row path) and the folded weights ``W o (r s^T)`` (folded path). Both are cheap
+to make again from what is kept anyway (``x``, which the scaling keeps for ``s``'s gradient and is
+usually the previous layer's saved output; ``W``, a Parameter; the small factors). Under
+:func:`recomputing`, a saved tensor that is one of these products (or a view of one) is packed as
+its recipe and made again when the backward pass unpacks it: bitwise the same values, one
+elementwise pass in the backward instead of one activation (or weight) held per layer.
+
+It stands aside (plain saving) where something else owns how tensors are saved: an outer
+``saved_tensors_hooks`` (activation checkpointing, CPU offloading), ``torch.compile`` / ``torch.jit``
+tracing, or no autograd graph being built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+import torch
+from torch import Tensor
+
+__all__ = ["recomputing"]
+
+Recipe = tuple[Tensor, Callable[..., Tensor], tuple[Tensor, ...]]
+"""``(product, fn, inputs)``: ``product`` is ``fn(*inputs)``."""
+
+
+class _Packed:
+    """A saved product as its recipe, and the view of it that was saved."""
+
+    __slots__ = ("fn", "inputs", "versions", "size", "stride", "offset")
+
+    def __init__(self, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...], view: Tensor) -> None:
+        self.fn, self.inputs, self.versions = fn, inputs, tuple(t._version for t in inputs)
+        self.size, self.stride, self.offset = view.size(), view.stride(), view.storage_offset()
+
+    def __call__(self) -> Tensor:
+        if any(t._version != v for t, v in zip(self.inputs, self.versions)):
+            raise RuntimeError(
+                "a tensor a rank-1 layer used was modified in place before the backward pass, which needs it "
+                "(bayesify recomputes the layer's scaled input / folded weight from it to save memory); use an "
+                "out-of-place op on it instead"
+            )
+        full = self.fn(*self.inputs)
+        if (self.size, self.stride, self.offset) == (full.size(), full.stride(), full.storage_offset()):
+            return full
+        return full.as_strided(self.size, self.stride, self.offset)  # a view was saved (F.linear's reshape)
+
+
+class _Recompute(torch.autograd.graph.saved_tensors_hooks):
+    def __init__(self, recipes: tuple[Recipe, ...]) -> None:
+        # keys and plain values only: a closure holding a product would keep it alive through the hooks
+        table = {(p.untyped_storage().data_ptr(), p.dtype, p.device): (fn, inputs) for p, fn, inputs in recipes}
+
+        def pack(t: Tensor) -> object:
+            if type(t) is not Tensor or t.layout is not torch.strided:
+                return t
+            recipe = table.get((t.untyped_storage().data_ptr(), t.dtype, t.device))
+            return t if recipe is None else _Packed(*recipe, t)
+
+        def unpack(packed: object) -> Tensor:
+            return packed() if isinstance(packed, _Packed) else packed  # type: ignore[return-value]
+
+        super().__init__(pack, unpack)
+
+
+def recomputing(*recipes: Recipe) -> ContextManager[object]:
+    """Within the block, the backward pass recomputes each ``product = fn(*inputs)`` it needs instead of
+    keeping it (see the module doc); a no-op where that does not apply."""
+    products = [p for p, _, _ in recipes]
+    if (
+        not torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+        or any(type(p) is not Tensor or p.layout is not torch.strided for p in products)
+        or not torch._C._autograd._saved_tensors_hooks_is_enabled()
+        or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    ):
+        return contextlib.nullcontext()
+    return _Recompute(recipes)
