@@ -16,9 +16,10 @@ machine hits all rows alike):
   the deterministic step at batch K*B (the same rows);
 * **evaluation, mixture of K** (``model.eval()`` forward, no gradients) vs the deterministic
   forward at batch K*B;
-* **memory** of each training step: the bytes of the tensors autograd saves for the backward pass
-  (``saved_tensors_hooks``; device-independent), and on CUDA the step's peak allocation above the
-  model and optimizer state;
+* **memory** of each training step: the bytes it holds from the forward pass for the backward
+  (every storage made in the forward and still alive when ``backward()`` starts, each counted once,
+  parameters and optimizer state excluded; device-independent), and on CUDA the step's peak
+  allocation above the model and optimizer state;
 * **recurrent** (``--recurrent``, on by default on the CPU): a converted LSTM / GRU training step
   (default route) vs torch's fused ``nn.LSTM`` / ``nn.GRU`` (seq 50, batch B, hidden 128).
 
@@ -29,6 +30,7 @@ what carry over between machines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import platform
 import sys
@@ -37,6 +39,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import bayesify
 
@@ -46,17 +51,37 @@ else:
     from benchmarks._timing import time_steps
 
 
-def saved_activation_bytes(step: Callable[[], None]) -> int:
-    total = 0
+class HeldBytes(TorchDispatchMode):
+    """Records every storage the forward pass makes; :meth:`held` is the bytes of those still alive.
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
+    Measured right before ``backward()``, that is what the step holds for its backward pass: the
+    tensors autograd saved (each storage once, however many nodes share it, as a ReLU's output that
+    the next convolution also saves), the output and loss. Parameters and optimizer state are not
+    made in the forward pass, so they are not counted. Device-independent; it sees through the
+    ``saved_tensors_hooks`` that bayesify uses to recompute, where counting what is packed would not.
+    """
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return total
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided and not t.is_meta:
+                storage = t.untyped_storage()
+                self.made[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def held(self) -> int:
+        return sum(size for ref, size in self.made.values() if not ref.expired())
+
+
+def held_activation_bytes(step: Callable[..., None]) -> int:
+    """What one training step ``step(record=...)`` holds from its forward pass for its backward (see :class:`HeldBytes`)."""
+    record = HeldBytes()
+    step(record=record)
+    return record.bytes_held
 
 
 def peak_step_bytes(step: Callable[[], None], device: torch.device) -> int | None:
@@ -91,9 +116,9 @@ def make_step(
     model.train()
     forward = torch.compile(model) if compile else model
 
-    def step() -> None:
+    def step(record: HeldBytes | None = None) -> None:
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(x.device.type, dtype=amp or torch.float32, enabled=amp is not None):
+        with record or contextlib.nullcontext(), torch.autocast(x.device.type, dtype=amp or torch.float32, enabled=amp is not None):
             if route == "tile":
                 with bayesify.mode(model, route="tile"):
                     logits = forward(x)
@@ -102,6 +127,8 @@ def make_step(
                 loss = F.cross_entropy(forward(x).float(), y)
             if kl is not None:
                 loss = loss + kl(model) / 50_000
+        if record is not None:
+            record.bytes_held = record.held()
         loss.backward()
         optimizer.step()
         _sync(x)
@@ -162,7 +189,7 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
                               "type": "Reparameterization", "moped_enable": False})  # fmt: skip
             steps["peer"] = make_step(peer, x, y, kl=get_kl_loss, **options)
     seconds = dict(zip(steps, time_steps(list(steps.values()), args.repeats)))
-    memory = {} if args.compile else {n: saved_activation_bytes(steps[n]) for n in ("det@B", "det@KB", "sample", "tile")}
+    memory = {} if args.compile else {n: held_activation_bytes(steps[n]) for n in ("det@B", "det@KB", "sample", "tile")}
     peaks = {n: peak_step_bytes(steps[n], device) for n in ("det@B", "det@KB", "sample", "tile")}
 
     def ratio(a: str, b: str) -> str:
@@ -199,18 +226,21 @@ def recurrent_rows(args: argparse.Namespace, device: torch.device) -> list[list[
         x = torch.randn(args.batch, 50, 128, device=device)
 
         def step(module: nn.Module) -> Callable[[], None]:
-            def run() -> None:
+            def run(record: HeldBytes | None = None) -> None:
                 module.zero_grad(set_to_none=True)
-                loss = module(x)[0].square().mean()
-                if bayesify.is_converted(module):
-                    loss = loss + bayesify.kl_divergence(module) / 50_000
+                with record or contextlib.nullcontext():
+                    loss = module(x)[0].square().mean()
+                    if bayesify.is_converted(module):
+                        loss = loss + bayesify.kl_divergence(module) / 50_000
+                if record is not None:
+                    record.bytes_held = record.held()
                 loss.backward()
                 _sync(x)
 
             return run
 
         torch_s, rank1_s = time_steps([step(layer.train()), step(rank1.train())], args.repeats)
-        memory = saved_activation_bytes(step(rank1)) / saved_activation_bytes(step(layer))
+        memory = held_activation_bytes(step(rank1)) / held_activation_bytes(step(layer))
         rows.append([f"{cls.__name__} 128, seq 50, B={args.batch}", "training step, default route", "torch's fused",
                      f"{rank1_s / torch_s:.2f}", f"{memory:.2f}", f"{torch_s * 1e3:.0f} / {rank1_s * 1e3:.0f}"])  # fmt: skip
     return rows
@@ -274,7 +304,7 @@ def main() -> None:
     print(f"bayesify {bayesify.__version__}, torch {torch.__version__}, {where}{extras}, K={args.components}, "
           f"sampling={args.sampling}, median of {args.repeats}")  # fmt: skip
     print(f"command: python {' '.join(sys.argv)}\n")
-    print("| model | figure | against | time x | memory x (saved activations) | ms (yardstick / rank-1) |")
+    print("| model | figure | against | time x | memory x (held for backward) | ms (yardstick / rank-1) |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")

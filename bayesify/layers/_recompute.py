@@ -49,13 +49,21 @@ class _Packed:
         return full.as_strided(self.size, self.stride, self.offset)  # a view was saved (F.linear's reshape)
 
 
+# devices whose tensors have a storage to compare (an XLA tensor has none: it stands aside there)
+_DEVICES = frozenset({"cpu", "cuda", "xpu", "mps"})
+
+
+def _plain(t: object) -> bool:
+    return type(t) is Tensor and t.layout is torch.strided and t.device.type in _DEVICES  # type: ignore[union-attr]
+
+
 class _Recompute(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, recipes: tuple[Recipe, ...]) -> None:
         # keys and plain values only: a closure holding a product would keep it alive through the hooks
         table = {(p.untyped_storage().data_ptr(), p.dtype, p.device): (fn, inputs) for p, fn, inputs in recipes}
 
         def pack(t: Tensor) -> object:
-            if type(t) is not Tensor or t.layout is not torch.strided:
+            if not _plain(t):
                 return t
             recipe = table.get((t.untyped_storage().data_ptr(), t.dtype, t.device))
             return t if recipe is None else _Packed(*recipe, t)
@@ -74,7 +82,7 @@ def recomputing(*recipes: Recipe) -> ContextManager[object]:
         not torch.is_grad_enabled()
         or torch.compiler.is_compiling()
         or torch.jit.is_tracing()
-        or any(type(p) is not Tensor or p.layout is not torch.strided for p in products)
+        or not all(_plain(p) for p in products)
         or not torch._C._autograd._saved_tensors_hooks_is_enabled()
         or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     ):
