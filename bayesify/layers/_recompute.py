@@ -60,13 +60,15 @@ def _plain(t: object) -> bool:
 class _Recompute(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, recipes: tuple[Recipe, ...]) -> None:
         # keys and plain values only: a closure holding a product would keep it alive through the hooks
-        table = {(p.untyped_storage().data_ptr(), p.dtype, p.device): (fn, inputs) for p, fn, inputs in recipes}
+        table = {(p.untyped_storage().data_ptr(), p.dtype, p.device): (fn, inputs, p._version) for p, fn, inputs in recipes}
 
         def pack(t: Tensor) -> object:
             if not _plain(t):
                 return t
             recipe = table.get((t.untyped_storage().data_ptr(), t.dtype, t.device))
-            return t if recipe is None else _Packed(*recipe, t)
+            if recipe is None or t._version != recipe[2]:  # changed in place since it was made: not the recipe's value
+                return t
+            return _Packed(recipe[0], recipe[1], t)
 
         def unpack(packed: object) -> Tensor:
             return packed() if isinstance(packed, _Packed) else packed  # type: ignore[return-value]

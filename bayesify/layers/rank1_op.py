@@ -146,7 +146,7 @@ class _FoldWeight(torch.autograd.Function):
         groups, (n, per_group) = ctx.groups, weight.shape[:2]
         d_weight = d_rows = d_columns = None
         if ctx.needs_input_grad[0]:
-            d_weight = _fold(grad, rows, columns, groups)
+            d_weight = _fold(grad, rows, columns, groups).to(weight.dtype)
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             q = grad * weight  # d/d(outer), summed over the kernel: [n, per_group]
             if q.dim() > 2:

@@ -182,3 +182,19 @@ def test_fold_weight_gradients(shape: tuple[int, ...], groups: int, transposed: 
     assert torch.autograd.gradgradcheck(fold, (w, r, s))
     with torch.no_grad():  # the plain maths: the same values
         torch.testing.assert_close(fold(w, r, s), fold_weight(w.detach(), r.detach(), s.detach(), groups=groups, transposed=transposed))
+
+
+def test_a_core_that_changes_its_input_in_place_keeps_what_it_saved() -> None:
+    # a layer whose own forward scales its input in place before its map saves it: the saved tensor is
+    # no longer x o s, so it must be kept as it is, not recomputed
+    class InPlace(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x.mul_(2.0))
+
+    torch.manual_seed(0)
+    model = bayesify.convert(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), InPlace(6, 5)).double(), components=K,
+                             sampling="example").train()  # fmt: skip
+    x = torch.randn(8, 4, dtype=torch.float64)
+    recomputed, plain = _grads(model, x, plain=False), _grads(model, x, plain=True)
+    for n in plain:
+        torch.testing.assert_close(recomputed[n], plain[n], rtol=1e-12, atol=1e-12, msg=n)
