@@ -64,6 +64,7 @@ class HeldBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.bytes_held = 0  # set by the step right before its backward pass
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))

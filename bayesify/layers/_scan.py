@@ -61,6 +61,14 @@ def _with_rows(values: Tensor, per_position: Tensor, pos: Tensor, batch: int, st
     return values + spread if add else values * spread
 
 
+def _one_step_back(rows: Tensor, first: Tensor, batch: int, reverse: bool) -> Tensor:
+    """The rows ``[N, F]`` of a uniform time-major layout shifted one step back in scan order, with ``first``
+    (the initial state) for the first step scanned: each row's previous state."""
+    if rows.shape[0] == batch:
+        return first.clone()
+    return torch.cat((rows[batch:], first)) if reverse else torch.cat((first, rows[:-batch]))
+
+
 class RecurrentScan(torch.autograd.Function):
     """``(out [N, P], h_n [B, P](, c_n [B, H]))`` of one layer and direction; see the module doc.
 
@@ -102,16 +110,20 @@ class RecurrentScan(torch.autograd.Function):
             offsets.append(offsets[-1] + size)
         order = range(len(batch_sizes) - 1, -1, -1) if reverse else range(len(batch_sizes))
 
-        h = h0.clone()
-        h_prev = xi.new_empty(n_rows, width)  # h_{t-1} of every row
+        # every step on the whole batch (a padded batch): the state of step t is the output rows of the step
+        # before it, so nothing is copied per step; h_{t-1} / c_{t-1} of every row are one shifted copy after
+        uniform = all(size == batch for size in batch_sizes)
+        h = h0 if uniform else h0.clone()
+        h_prev = None if uniform else xi.new_empty(n_rows, width)  # h_{t-1} of every row
         a_all = xi.new_empty(n_rows, gates)  # (h o s_h) W_hh^T of every row
         act = xi.new_empty(n_rows, gates)  # gate activations
         out = xi.new_empty(n_rows, width)
         w_t = w_hh.t()
         lstm, gru = mode == "LSTM", mode == "GRU"
         if lstm:
-            c = c0.clone()  # type: ignore[union-attr]
-            c_prev = xi.new_empty(n_rows, hidden)
+            c = c0 if uniform else c0.clone()  # type: ignore[union-attr]
+            c_all = xi.new_empty(n_rows, hidden) if uniform else None  # c_t of every row (uniform)
+            c_prev = None if uniform else xi.new_empty(n_rows, hidden)
             tanh_c = xi.new_empty(n_rows, hidden)
             proj = xi.new_empty(n_rows, width) if w_hr is not None else None
             w_hr_t = w_hr.t() if w_hr is not None else None
@@ -121,8 +133,9 @@ class RecurrentScan(torch.autograd.Function):
         for t in order:
             lo, size = offsets[t], batch_sizes[t]
             hi = lo + size
-            hp = h[:size]
-            h_prev[lo:hi] = hp
+            hp = h if uniform else h[:size]
+            if not uniform:
+                h_prev[lo:hi] = hp  # type: ignore[index]
             hs = hp + s_h[:size] if additive else hp * s_h[:size]
             a = torch.mm(hs, w_t, out=a_all[lo:hi])
             x = xi[lo:hi]
@@ -137,31 +150,46 @@ class RecurrentScan(torch.autograd.Function):
                 gh_n[lo:hi] = gh[:, 2 * hidden :]
                 n = torch.tanh(torch.addcmul(x[:, 2 * hidden :], rz[:, :hidden], gh[:, 2 * hidden :]))
                 gate[:, 2 * hidden :] = n
-                h_new = torch.addcmul(n, rz[:, hidden:], hp - n)
+                h_new = torch.addcmul(n, rz[:, hidden:], hp - n, out=out[lo:hi])
             else:
                 pre = x + a if r_h is None else torch.addcmul(x, a, r_h[:size])
                 if lstm:
                     torch.sigmoid(pre, out=gate)
                     gate[:, 2 * hidden : 3 * hidden] = torch.tanh(pre[:, 2 * hidden : 3 * hidden])  # no strided out=
                     i, f, g, o = gate.chunk(4, 1)
-                    cp = c[:size]
-                    c_prev[lo:hi] = cp
-                    c_new = torch.addcmul(f * cp, i, g)
-                    c[:size] = c_new
-                    m = o * torch.tanh(c_new, out=tanh_c[lo:hi])
+                    cp = c if uniform else c[:size]
+                    if uniform:
+                        c_new = torch.addcmul(f * cp, i, g, out=c_all[lo:hi])  # type: ignore[index]
+                        c = c_new
+                    else:
+                        c_prev[lo:hi] = cp  # type: ignore[index]
+                        c_new = torch.addcmul(f * cp, i, g)
+                        c[:size] = c_new
+                    tc = torch.tanh(c_new, out=tanh_c[lo:hi])
                     if w_hr_t is not None:
+                        m = o * tc
                         ms = m + s_hr[:size] if additive else m * s_hr[:size]  # type: ignore[index]
                         p = torch.mm(ms, w_hr_t, out=proj[lo:hi])  # type: ignore[index]
-                        h_new = p + r_hr[:size] if additive else p * r_hr[:size]  # type: ignore[index]
+                        h_new = torch.add(p, r_hr[:size], out=out[lo:hi]) if additive else torch.mul(p, r_hr[:size], out=out[lo:hi])  # type: ignore[index]
                     else:
-                        h_new = m
+                        h_new = torch.mul(o, tc, out=out[lo:hi])
                 elif mode == "RNN_TANH":
                     h_new = torch.tanh(pre, out=gate)
+                    out[lo:hi] = h_new
                 else:
                     h_new = torch.clamp(pre, min=0, out=gate)
-            out[lo:hi] = h_new
-            h[:size] = h_new
+                    out[lo:hi] = h_new
+            if uniform:
+                h = h_new
+            else:
+                h[:size] = h_new
 
+        if uniform:  # h_{t-1} / c_{t-1} of every row: the outputs one step back, the initial state first
+            h_prev = _one_step_back(out, h0, batch, reverse)
+            h = h.clone()  # the final state: its own tensor, not a view of the output
+            if lstm:
+                c_prev = _one_step_back(c_all, c0, batch, reverse)  # type: ignore[arg-type]
+                c = c.clone()
         ctx.meta = (mode, list(batch_sizes), offsets, list(order), additive, batch, hidden)
         ctx.save_for_backward(w_hh, s_h, r_h, b_h, w_hr, s_hr, r_hr)
         ctx.h_prev, ctx.a_all, ctx.act = h_prev, a_all, act
