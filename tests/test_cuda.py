@@ -4,6 +4,7 @@ GPU machine with ``pytest tests/test_cuda.py``. ``BAYESIFY_TEST_DEVICE=cpu`` run
 CPU (to check the tests themselves, slowly).
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -127,6 +128,35 @@ def test_training_step(name, precision):
         assert p.dtype == torch.float32 and torch.isfinite(p).all(), n
     moved = [n for n, p in model.named_parameters() if "rank1_" in n and not torch.equal(p, before[n])]
     assert moved
+
+
+@pytest.mark.parametrize("name", ["torchvision/resnet18", "timm/vit_tiny_patch16_224"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_recomputing_saved_products_gives_the_plain_gradients(name, precision):
+    # x o s and the folded weights are recomputed in the backward pass (layers/_recompute.py); an outer
+    # saved-tensor hook makes bayesify keep them instead: the two must give the same gradients
+    factory, shape = _models()[name]
+    torch.manual_seed(0)
+    model = bayesify.convert(factory(), components=4).to(DEVICE).train()
+    x, y = torch.randn(8, *shape, device=DEVICE), torch.randint(10, (8,), device=DEVICE)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    grads = []
+    deterministic = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    try:
+        for outer in (False, True):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if outer else contextlib.nullcontext()
+            with hooks, torch.autocast(DEVICE.type, dtype=dtype, enabled=precision == "bf16"):
+                loss = F.cross_entropy(model(x).float(), y)
+            loss.backward()
+            grads.append({n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None})
+    finally:
+        torch.backends.cudnn.deterministic = deterministic
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[1]:
+        assert _relative(grads[0][n], grads[1][n]) < (2e-2 if precision == "bf16" else 1e-5), n
 
 
 def test_compile_training_step_runs():
