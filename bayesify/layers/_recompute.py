@@ -1,12 +1,15 @@
 """Saved tensors kept as their recipe: what the rank-1 op does not hold between forward and backward.
 
-The rank-1 op makes tensors that the layer's own map then saves for its backward pass: the scaled
-input ``x o s`` (per-row path) and the folded weights ``W o (r s^T)`` (folded path). Both are cheap
-to make again from what is kept anyway (``x``, which the scaling keeps for ``s``'s gradient and is
-usually the previous layer's saved output; ``W``, a Parameter; the small factors). Under
-:func:`recomputing`, a saved tensor that is one of these products (or a view of one) is packed as
-its recipe and made again when the backward pass unpacks it: bitwise the same values, one
-elementwise pass in the backward instead of one activation (or weight) held per layer.
+The per-row path makes the scaled input ``x o s``, which the layer's own map then saves for its
+backward pass: one more activation-sized tensor per layer than the original network holds. It is
+cheap to make again from what is kept anyway: ``x``, which the scaling keeps for ``s``'s gradient
+(and which is usually the previous layer's saved output), and the small per-row ``s``. Under
+:func:`recomputing`, a saved tensor that is such a product (or a view of one, as ``F.linear`` saves
+a reshaped input) is packed as its recipe and made again when the backward pass unpacks it:
+bitwise the same values, one elementwise pass in the backward instead of one activation held per
+layer (ResNet-18 at 32 px: 1.95x -> 1.62x the original's held bytes, time within the noise). A
+product changed in place after it was made is saved as it is; an input of the recipe changed in
+place before the backward pass is an error, not a wrong gradient.
 
 It stands aside (plain saving) where something else owns how tensors are saved: an outer
 ``saved_tensors_hooks`` (activation checkpointing, CPU offloading), ``torch.compile`` / ``torch.jit``

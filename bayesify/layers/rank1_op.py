@@ -28,7 +28,6 @@ References:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import torch
@@ -189,9 +188,10 @@ def rank1_folded(
     """
     outputs = []
     for i, part in enumerate(_block_views(x, blocks, batch_axis)):
+        # w is kept for the backward pass (the map saves it): folding it again there costs K weight-sized passes
+        # per layer, measured at +6% of a ViT-tiny step on the CPU, to save K weights (~9% of its activations)
         w = fold_weight(weight, r[i], s[i], groups=groups, transposed=transposed)
-        with recomputing((w, functools.partial(fold_weight, groups=groups, transposed=transposed), (weight, r[i], s[i]))):
-            outputs.append(apply(part, w, None if offset is None else offset[i]))  # w is folded again in backward
+        outputs.append(apply(part, w, None if offset is None else offset[i]))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, batch_axis)
 
 

@@ -1,10 +1,10 @@
-"""The rank-1 op holds no scaled input and no folded weight for the backward pass, and loses nothing.
+"""What the rank-1 op holds for the backward pass, and that it loses nothing.
 
-``x o s`` (per-row path) and ``W o (r s^T)`` (folded path) are recomputed in the backward pass
-(``bayesify/layers/_recompute.py``). Checked here: the gradients are those of the plain path (the
-same ops, so the same numbers), the step holds less, an in-place change of a used input is an
-error rather than a wrong gradient, it stands aside under activation checkpointing, and
-``fold_weight``'s own backward is right (gradcheck, float64).
+The per-row path's ``x o s`` is recomputed in the backward pass (``bayesify/layers/_recompute.py``);
+the folded path holds each block's weight once (``fold_weight`` is one autograd node). Checked here:
+the gradients are those of the plain path (the same ops, so the same numbers), the step holds less,
+an in-place change of a used input is an error rather than a wrong gradient, it stands aside under
+activation checkpointing, and ``fold_weight``'s own backward is right (gradcheck, float64).
 """
 
 from __future__ import annotations
@@ -111,14 +111,19 @@ def test_the_per_row_path_holds_no_scaled_input() -> None:
     assert plain - recomputed >= scaled
 
 
-def test_the_folded_path_holds_no_folded_weight() -> None:
+def test_the_fold_holds_no_weight_sized_intermediate(monkeypatch: pytest.MonkeyPatch) -> None:
+    # fold_weight is one autograd node keeping W, r and s; the same maths through autograd keeps the
+    # weight-sized outer product r s^T (a Linear's) of every block for the backward pass
+    from bayesify.layers import rank1_op
+
     torch.manual_seed(0)
     layers = [nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)]
     model = bayesify.convert(nn.Sequential(*layers).double(), components=K, sampling="component").train()
     x = torch.randn(8, 64, dtype=torch.float64)
-    plain, recomputed = _held(model, x, plain=True), _held(model, x, plain=False)
-    # the plain path keeps K folded weights for every layer whose input needs a gradient (not the first)
-    assert plain - recomputed >= K * (256 * 256 + 256 * 4) * 8
+    one_node = _held(model, x, plain=False)
+    monkeypatch.setattr(rank1_op._FoldWeight, "apply", lambda w, rows, columns, groups: rank1_op._fold(w, rows, columns, groups))
+    chained = _held(model, x, plain=False)
+    assert chained - one_node >= K * (64 * 256 + 256 * 256 + 256 * 4) * 8
 
 
 def test_the_benchmark_counts_each_held_storage_once() -> None:
