@@ -16,12 +16,13 @@ Seed 0 (one CPU thread; ``--seed 0`` .. ``4`` measured on a shared 2-core machin
 
     sklearn digits, 1257 train / 540 test, 30 epochs, K=4 components
     model                NLL  accuracy     ECE  train s
-    deterministic     0.0406    0.9870  0.0102     12.4
-    rank-1 BNN        0.0184    0.9944  0.0074     40.2
+    deterministic     0.0406    0.9870  0.0102      5.2
+    rank-1 BNN        0.0168    0.9944  0.0092      7.9
 
-Over seeds 0-4: NLL 0.0423 +- 0.0025 -> 0.0268 +- 0.0058 (-37%, lower on every seed), accuracy
-0.984 -> 0.987, ECE 0.0088 -> 0.0087 (-2%; on 540 test digits an ECE near 0.01 is mostly
-estimator noise). Training takes ~1.5x the deterministic time (seed 0 ran beside other jobs).
+Over seeds 0-4: NLL 0.0423 +- 0.0025 -> 0.0261 +- 0.0065 (-38%, lower on every seed), accuracy
+0.984 -> 0.988, ECE 0.0088 -> 0.0106 (on 540 test digits an ECE near 0.01 is mostly estimator
+noise: the previous release, the same maths rounded differently, gave 0.0087). Training takes
+~1.6x the deterministic time.
 """
 
 from __future__ import annotations

@@ -25,15 +25,15 @@ Seed 0, one CPU thread::
 
                                           NLL  accuracy     ECE   trainable parameters       time
     pretrained, not fine-tuned         2.6805    0.4140  0.4161   -                             -
-    deterministic                      0.4868    0.8780  0.0590   71,754 (100.0%)            1.3s
-    rank-1, full                       0.4646    0.8740  0.0681   79,242 (110.4%)            4.1s
-    rank-1, full, 4 samples            0.4173    0.8580  0.0405   (the same model)
-    rank-1 adapter                     0.4453    0.8520  0.0522   7,488 (10.4%)              3.7s
-    rank-1 adapter, 4 samples          0.5052    0.8400  0.0932   (the same model)
+    deterministic                      0.4868    0.8780  0.0590   71,754 (100.0%)            1.0s
+    rank-1, full                       0.4652    0.8720  0.0655   79,242 (110.4%)            2.8s
+    rank-1, full, 4 samples            0.4172    0.8580  0.0444   (the same model)
+    rank-1 adapter                     0.4453    0.8520  0.0522   7,488 (10.4%)              2.5s
+    rank-1 adapter, 4 samples          0.5052    0.8400  0.0934   (the same model)
 
 Over seeds 0, 1, 2 against the deterministic fine-tune: the full rank-1 fine-tune, sampled, has a
-lower NLL on every seed (by 0.05-0.07) and a lower ECE (0.040-0.042 against 0.059-0.072); at its
-means its NLL is lower by 0.005-0.02 and its ECE is not. The adapter is best at its means (the
+lower NLL on every seed (by 0.05-0.07) and a lower ECE (0.041-0.044 against 0.059-0.072); at its
+means its NLL is lower by 0.005-0.02 and its ECE on 1 of 3. The adapter is best at its means (the
 default): NLL lower by 0.04-0.07 on every seed, ECE lower on 2 of 3; sampled, it is worse: its
 weights are frozen, so they never learned to absorb the factors' noise. Accuracy is within 3
 points either way. So: evaluate an adapter at its means; after a full fine-tune, also try
