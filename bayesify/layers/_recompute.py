@@ -7,7 +7,7 @@ cheap to make again from what is kept anyway: ``x``, which the scaling keeps for
 :func:`recomputing`, a saved tensor that is such a product (or a view of one, as ``F.linear`` saves
 a reshaped input) is packed as its recipe and made again when the backward pass unpacks it:
 bitwise the same values, one elementwise pass in the backward instead of one activation held per
-layer (ResNet-18 at 32 px: 1.95x -> 1.62x the original's held bytes, time within the noise). A
+layer (ResNet-18 at 32 px: 1.95x -> 1.64x the original's held bytes, time within the noise). A
 product changed in place after it was made is saved as it is; an input of the recipe changed in
 place before the backward pass is an error, not a wrong gradient.
 
@@ -26,9 +26,6 @@ from torch import Tensor
 
 __all__ = ["recomputing"]
 
-Recipe = tuple[Tensor, Callable[..., Tensor], tuple[Tensor, ...]]
-"""``(product, fn, inputs)``: ``product`` is ``fn(*inputs)``."""
-
 
 class _Packed:
     """A saved product as its recipe, and the view of it that was saved."""
@@ -43,8 +40,8 @@ class _Packed:
         if any(t._version != v for t, v in zip(self.inputs, self.versions)):
             raise RuntimeError(
                 "a tensor a rank-1 layer used was modified in place before the backward pass, which needs it "
-                "(bayesify recomputes the layer's scaled input / folded weight from it to save memory); use an "
-                "out-of-place op on it instead"
+                "(bayesify recomputes the layer's scaled input from it to save memory); use an out-of-place op "
+                "on it instead"
             )
         full = self.fn(*self.inputs)
         if (self.size, self.stride, self.offset) == (full.size(), full.stride(), full.storage_offset()):
@@ -61,17 +58,16 @@ def _plain(t: object) -> bool:
 
 
 class _Recompute(torch.autograd.graph.saved_tensors_hooks):
-    def __init__(self, recipes: tuple[Recipe, ...]) -> None:
-        # keys and plain values only: a closure holding a product would keep it alive through the hooks
-        table = {(p.untyped_storage().data_ptr(), p.dtype, p.device): (fn, inputs, p._version) for p, fn, inputs in recipes}
+    def __init__(self, product: Tensor, fn: Callable[..., Tensor], inputs: tuple[Tensor, ...]) -> None:
+        # plain values only: a closure holding the product would keep it alive through the hooks
+        key, version = (product.untyped_storage().data_ptr(), product.dtype, product.device), product._version
 
         def pack(t: Tensor) -> object:
-            if not _plain(t):
+            if not _plain(t) or (t.untyped_storage().data_ptr(), t.dtype, t.device) != key:
                 return t
-            recipe = table.get((t.untyped_storage().data_ptr(), t.dtype, t.device))
-            if recipe is None or t._version != recipe[2]:  # changed in place since it was made: not the recipe's value
+            if t._version != version:  # changed in place since it was made: not the recipe's value
                 return t
-            return _Packed(recipe[0], recipe[1], t)
+            return _Packed(fn, inputs, t)
 
         def unpack(packed: object) -> Tensor:
             return packed() if isinstance(packed, _Packed) else packed  # type: ignore[return-value]
@@ -79,17 +75,16 @@ class _Recompute(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
-def recomputing(*recipes: Recipe) -> ContextManager[object]:
-    """Within the block, the backward pass recomputes each ``product = fn(*inputs)`` it needs instead of
-    keeping it (see the module doc); a no-op where that does not apply."""
-    products = [p for p, _, _ in recipes]
+def recomputing(product: Tensor, fn: Callable[..., Tensor], *inputs: Tensor) -> ContextManager[object]:
+    """Within the block, the backward pass recomputes ``product = fn(*inputs)`` (or the view of it that is
+    saved) instead of keeping it (see the module doc); a no-op where that does not apply."""
     if (
         not torch.is_grad_enabled()
         or torch.compiler.is_compiling()
         or torch.jit.is_tracing()
-        or not all(_plain(p) for p in products)
+        or not _plain(product)
         or not torch._C._autograd._saved_tensors_hooks_is_enabled()
         or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
     ):
         return contextlib.nullcontext()
-    return _Recompute(recipes)
+    return _Recompute(product, fn, inputs)

@@ -112,7 +112,7 @@ class RecurrentScan(torch.autograd.Function):
 
         # every step on the whole batch (a padded batch): the state of step t is the output rows of the step
         # before it, so nothing is copied per step; h_{t-1} / c_{t-1} of every row are one shifted copy after
-        uniform = all(size == batch for size in batch_sizes)
+        uniform = bool(batch_sizes) and all(size == batch for size in batch_sizes)
         h = h0 if uniform else h0.clone()
         h_prev = None if uniform else xi.new_empty(n_rows, width)  # h_{t-1} of every row
         a_all = xi.new_empty(n_rows, gates)  # (h o s_h) W_hh^T of every row

@@ -82,7 +82,7 @@ def rank1_affine(
         out = core(x + s)
     else:
         scaled = x * s
-        with recomputing((scaled, torch.mul, (x, s))):  # the core's saved copy of x o s: made again in backward
+        with recomputing(scaled, torch.mul, x, s):  # the core's saved copy of x o s: made again in backward
             out = core(scaled)
     nd = out.dim()
     r = broadcast_rows(r.to(out.dtype), nd, batch_axis, channel_axis)
@@ -150,11 +150,12 @@ class _FoldWeight(torch.autograd.Function):
             q = grad * weight  # d/d(outer), summed over the kernel: [n, per_group]
             if q.dim() > 2:
                 q = q.flatten(2).sum(2)
+            r_q, c_q = rows.to(q.dtype), columns.to(q.dtype)  # factors of another dtype than the weight
             if groups == 1:
-                d_rows, d_columns = q @ columns, rows @ q
+                d_rows, d_columns = q @ c_q, r_q @ q
             else:
-                d_rows = (q * _columns(columns, n, per_group, groups)).sum(1)
-                d_columns = (q.view(groups, n // groups, per_group) * rows.view(groups, n // groups, 1)).sum(1)
+                d_rows = (q * _columns(c_q, n, per_group, groups)).sum(1)
+                d_columns = (q.view(groups, n // groups, per_group) * r_q.view(groups, n // groups, 1)).sum(1)
                 d_columns = d_columns.reshape(-1)
             d_rows, d_columns = d_rows.to(rows.dtype), d_columns.to(columns.dtype)
         return d_weight, d_rows, d_columns, None

@@ -203,3 +203,22 @@ def test_a_core_that_changes_its_input_in_place_keeps_what_it_saved() -> None:
     recomputed, plain = _grads(model, x, plain=False), _grads(model, x, plain=True)
     for n in plain:
         torch.testing.assert_close(recomputed[n], plain[n], rtol=1e-12, atol=1e-12, msg=n)
+
+
+def test_fold_weight_with_factors_of_another_dtype() -> None:
+    # the weight in float64, the factors in float32: the same gradients as the plain maths through autograd
+    from bayesify.layers.rank1_op import _fold
+
+    torch.manual_seed(0)
+    w = torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True)
+    r, s = torch.randn(6, requires_grad=True), torch.randn(6, requires_grad=True)
+    grads = []
+    for fold in (lambda: fold_weight(w, r, s, groups=3), lambda: _fold(w, r, s, 3)):
+        out = fold()
+        torch.autograd.backward(out, torch.ones_like(out))
+        grads.append([t.grad.clone() for t in (w, r, s)])
+        for t in (w, r, s):
+            t.grad = None
+    for mine, reference in zip(*grads):
+        assert mine.dtype == reference.dtype
+        torch.testing.assert_close(mine, reference)
