@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from bayesify.config import Rank1Config
 from bayesify.layers._intercept import split_call
 from bayesify.layers.base import Draw, Rank1Layer
-from bayesify.layers.rank1_op import fold_weight, rank1_affine, rank1_folded
+from bayesify.layers.rank1_op import _equal_tiling, dense_blocks, fold_weight, fold_weights, rank1_affine, rank1_folded
 from bayesify.options import Perturbation, Sampling
 
 __all__ = ["Fold", "Rank1Affine"]
@@ -43,6 +44,7 @@ class Fold:
     apply: Callable[[Tensor, Tensor, Tensor | None], Tensor]
     groups: int = 1
     transposed: bool = False  # weight stored [in, out] (Hugging Face Conv1D)
+    dense: bool = False  # apply is the plain dense map on the last axis: blocks run as one batched matmul
 
 
 class Rank1Affine(Rank1Layer):
@@ -189,7 +191,7 @@ class Rank1Affine(Rank1Layer):
             s, r = draw.sample_blocks(self.rank1_s, self.rank1_r)
             return rank1_folded(
                 x, draw.blocks, fold.weight, fold.apply, s, r, offset, batch_axis=batch_axis, groups=fold.groups,
-                transposed=fold.transposed,
+                transposed=fold.transposed, dense=fold.dense,
             )  # fmt: skip
         offset = None if self.rank1_bias is None else draw.gather(self.rank1_bias)
         if bias is not None and not core_adds_bias:
@@ -205,6 +207,7 @@ class Rank1Affine(Rank1Layer):
             batch_axis=batch_axis,
             channel_axis=channel_axis,
             core_bias=bias if core_adds_bias else None,
+            fresh=fold is not None,  # the layer's own map (rank1_core, or the function that used its weight)
         )
 
     def _rank1_members_folded(self, x: Tensor, draw: Draw, fold: Fold, bias: Tensor | None, batch_axis: int) -> Tensor:
@@ -215,16 +218,20 @@ class Rank1Affine(Rank1Layer):
         key = (id(fold.weight), fold.weight._version, self.rank1_s.loc._version, self.rank1_r.loc._version,
                fold.weight.dtype, fold.weight.device)  # fmt: skip
         if state.folded is None or state.folded[0] != key:
-            s, r = self.rank1_s.loc, self.rank1_r.loc
-            weights = [fold_weight(fold.weight, r[k], s[k], groups=fold.groups, transposed=fold.transposed)
-                       for k in range(self.rank1_config.components)]  # fmt: skip
+            weights = fold_weights(fold.weight, self.rank1_r.loc, self.rank1_s.loc, groups=fold.groups, transposed=fold.transposed)
             state.folded = (key, weights)
         weights = state.folded[1]
+        offsets = self.rank1_bias  # [K, out] per component: the bias offset, plus the bias the caller gave
+        if bias is not None:
+            offsets = bias.expand(len(weights), -1) if offsets is None else offsets + bias
+        components = list(draw.fixed_components)
+        if fold.dense and batch_axis == 0 and _equal_tiling(draw.blocks, x.shape[0]):
+            if components != list(range(len(weights))):  # the blocks' components in another order, or some of them
+                weights, offsets = weights[components], None if offsets is None else offsets[components]
+            return dense_blocks(x, weights, offsets, transposed=fold.transposed)
         outputs = []
-        for (start, stop), k in zip(draw.blocks, draw.fixed_components):
-            offset = None if self.rank1_bias is None else self.rank1_bias[k]
-            if bias is not None:
-                offset = bias if offset is None else bias + offset
+        for (start, stop), k in zip(draw.blocks, components):
+            offset = None if offsets is None else offsets[k]
             outputs.append(fold.apply(x.narrow(batch_axis, start, stop - start), weights[k], offset))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, batch_axis)
 
@@ -262,7 +269,8 @@ class Rank1Affine(Rank1Layer):
                 return NotImplemented
             w = self._parameters["weight"]
             self.rank1_state.intercepted_by = getattr(func, "__name__", "function")
-            fold = Fold(w, lambda v, weight, b: func(v, weight, b, *rest, **rest_kwargs), self._rank1_groups())
+            dense = func is F.linear and not rest and not rest_kwargs
+            fold = Fold(w, lambda v, weight, b: func(v, weight, b, *rest, **rest_kwargs), self._rank1_groups(), dense=dense)
             with torch._C.DisableTorchFunctionSubclass():
                 return self._rank1_apply(
                     x, lambda v: func(v, w, None, *rest, **rest_kwargs), bias, core_adds_bias=False, fold=fold

@@ -46,7 +46,7 @@ class Rank1HFConv1D(Rank1Affine):
         return s @ weight
 
     def rank1_fold(self) -> Fold:
-        return Fold(self._parameters["weight"], _dense, transposed=True)
+        return Fold(self._parameters["weight"], _dense, transposed=True, dense=True)
 
 
 def _dense(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

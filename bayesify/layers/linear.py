@@ -40,7 +40,7 @@ class Rank1Linear(Rank1Affine):
         return F.linear(s, weight)
 
     def rank1_fold(self) -> Fold:
-        return Fold(self._parameters["weight"], F.linear)
+        return Fold(self._parameters["weight"], F.linear, dense=True)
 
     def rank1_functional_handlers(self) -> dict[Callable, Callable]:
         return {F.linear: self._rank1_external(F.linear)}

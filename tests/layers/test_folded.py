@@ -61,6 +61,7 @@ def _check(folded: nn.Module, reference: nn.Module, x: torch.Tensor, route: str)
 LAYERS = {
     "linear": (lambda: nn.Linear(5, 4), (6, 5)),
     "linear-seq": (lambda: nn.Linear(5, 4), (6, 3, 5)),
+    "linear-uneven-blocks": (lambda: nn.Linear(5, 4), (7, 5)),  # the sample route's blocks of 3, 2, 2 rows
     "conv1d": (lambda: nn.Conv1d(4, 6, 3, padding=1), (6, 4, 9)),
     "conv2d-grouped-strided": (lambda: nn.Conv2d(4, 6, 3, stride=2, groups=2, bias=False), (6, 4, 9, 9)),
     "conv2d-depthwise-dilated": (lambda: nn.Conv2d(6, 6, 3, dilation=2, padding=2, groups=6), (6, 6, 8, 8)),
@@ -152,6 +153,68 @@ def test_gradcheck_of_the_folded_op() -> None:
         return rank1_folded(x, blocks, weight, F.conv1d, s, r, offset)
 
     assert torch.autograd.gradcheck(op, (x, weight, s, r, offset))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "hf-conv1d"])
+@pytest.mark.parametrize("blocks", [((0, 2), (2, 4), (4, 6)), ((0, 3), (3, 5), (5, 6))], ids=["equal", "uneven"])
+def test_gradcheck_of_the_folded_dense_op(transposed: bool, blocks: tuple) -> None:
+    # equal blocks run as one batched matmul on views of x; uneven ones block by block: the same function
+    torch.manual_seed(0)
+    x = torch.randn(6, 2, 3, dtype=DT, requires_grad=True)
+    weight = torch.randn(*((3, 4) if transposed else (4, 3)), dtype=DT, requires_grad=True)
+    s, r, offset = (torch.randn(3, n, dtype=DT, requires_grad=True) for n in (3, 4, 4))
+
+    def apply(v: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return v @ w + b if transposed else F.linear(v, w, b)
+
+    def op(x, weight, s, r, offset):
+        return rank1_folded(x, blocks, weight, apply, s, r, offset, transposed=transposed, dense=True)
+
+    def looped(x, weight, s, r, offset):
+        return rank1_folded(x, blocks, weight, apply, s, r, offset, transposed=transposed)
+
+    assert torch.autograd.gradcheck(op, (x, weight, s, r, offset))
+    assert torch.autograd.gradgradcheck(op, (x, weight, s, r, offset))
+    torch.testing.assert_close(op(x, weight, s, r, offset), looped(x, weight, s, r, offset))
+
+
+def _ops(run) -> list[str]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            self.names.append(f"{func.overloadpacket.__name__}{list(out.shape) if isinstance(out, torch.Tensor) else ''}")
+            return out
+
+    log = Log()
+    with log:
+        run()
+    return log.names
+
+
+@pytest.mark.parametrize("route", ["tile", "component"])
+def test_dense_layers_run_their_blocks_as_one_batched_matmul(route: str) -> None:
+    """Linear layers on equal blocks: no copy of the activations into blocks and back (one ``bmm`` per layer),
+    in training and in evaluation at the means, with the per-row path's function."""
+    folded, reference = _pair(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)))
+    x = torch.randn(4, 3, 5, dtype=DT)
+    kwargs = {"component": 2} if route == "component" else {}
+    for train in (True, False):
+        outs = []
+        for model in (folded, reference):
+            with torch.set_grad_enabled(train), bayesify.mode(model.train(train), route=route, noise=False, **kwargs):
+                outs.append(model(x))
+                ops = _ops(lambda: model(x))
+            if model is folded:  # no cat of the layers' outputs (the model's input is tiled by one for the tile route)
+                rows = 12 if route == "tile" else 4
+                assert not {f"cat[{rows}, 3, 8]", f"cat[{rows}, 3, 3]"} & set(ops), ops
+                assert sum(op.startswith("baddbmm") for op in ops) == 2, ops
+        torch.testing.assert_close(outs[0], outs[1])
 
 
 def test_component_sampling_draws_one_sample_per_block() -> None:

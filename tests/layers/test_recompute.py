@@ -121,7 +121,7 @@ def test_the_fold_holds_no_weight_sized_intermediate(monkeypatch: pytest.MonkeyP
     model = bayesify.convert(nn.Sequential(*layers).double(), components=K, sampling="component").train()
     x = torch.randn(8, 64, dtype=torch.float64)
     one_node = _held(model, x, plain=False)
-    monkeypatch.setattr(rank1_op._FoldWeight, "apply", lambda w, rows, columns, groups: rank1_op._fold(w, rows, columns, groups))
+    monkeypatch.setattr(rank1_op._FoldWeights, "apply", lambda w, rows, columns, groups: rank1_op._fold(w, rows, columns, groups))
     chained = _held(model, x, plain=False)
     assert chained - one_node >= K * (64 * 256 + 256 * 256 + 256 * 4) * 8
 
@@ -213,7 +213,7 @@ def test_fold_weight_with_factors_of_another_dtype() -> None:
     w = torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True)
     r, s = torch.randn(6, requires_grad=True), torch.randn(6, requires_grad=True)
     grads = []
-    for fold in (lambda: fold_weight(w, r, s, groups=3), lambda: _fold(w, r, s, 3)):
+    for fold in (lambda: fold_weight(w, r, s, groups=3), lambda: _fold(w, r[None], s[None], 3)[0]):
         out = fold()
         torch.autograd.backward(out, torch.ones_like(out))
         grads.append([t.grad.clone() for t in (w, r, s)])
