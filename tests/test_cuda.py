@@ -159,6 +159,34 @@ def test_recomputing_saved_products_gives_the_plain_gradients(name, precision):
         assert _relative(grads[0][n], grads[1][n]) < (2e-2 if precision == "bf16" else 1e-5), n
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_folded_blocks_agree_with_the_per_row_path(precision):
+    # sampling="component": ViT's Linear layers run their K blocks as one batched matmul (dense_blocks), the
+    # convolutions of a ResNet as K convolutions; at the posterior means both are the per-row path's function
+    import timm
+
+    torch.manual_seed(0)
+    base = timm.create_model("vit_tiny_patch16_224", num_classes=10, img_size=32, patch_size=8)
+    folded = bayesify.convert(base, components=4, sampling="component").to(DEVICE).train()
+    per_row = copy.deepcopy(folded)
+    for _, layer in bayesify.rank1_layers(per_row):
+        layer.rank1_state.config = layer.rank1_config.replace(sampling="example")
+    x = torch.randn(8, 3, 32, 32, device=DEVICE)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    outputs, grads = [], []
+    for model in (folded, per_row):
+        with bayesify.mode(model, route="tile", noise=False), torch.autocast(DEVICE.type, dtype=dtype, enabled=precision != "fp32"):
+            out = model(x)
+        out.float().square().mean().backward()
+        outputs.append(out.float())
+        grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+    tolerance = 1e-4 if precision == "fp32" else 5e-2
+    assert _relative(outputs[0], outputs[1]) < tolerance
+    for n in grads[1]:
+        assert torch.isfinite(grads[0][n]).all(), n
+        assert _relative(grads[0][n], grads[1][n]) < tolerance * 10, n
+
+
 def test_compile_training_step_runs():
     import torchvision
 
