@@ -207,7 +207,6 @@ class Rank1Affine(Rank1Layer):
             batch_axis=batch_axis,
             channel_axis=channel_axis,
             core_bias=bias if core_adds_bias else None,
-            fresh=fold is not None,  # the layer's own map (rank1_core, or the function that used its weight)
         )
 
     def _rank1_members_folded(self, x: Tensor, draw: Draw, fold: Fold, bias: Tensor | None, batch_axis: int) -> Tensor:

@@ -190,44 +190,20 @@ def test_every_component_reproduces_the_original(make, shape, dtype: torch.dtype
     torch.testing.assert_close(out, torch.cat([ref] * 4))
 
 
-def test_evaluation_scales_the_layers_own_output_in_place_and_nothing_else() -> None:
-    """Without gradients the per-row path scales the output of the layer's own map in place (no second
-    output-sized tensor); the values are those of the out-of-place op. A subclass's own forward may return
-    a tensor it keeps (here a cache): that output is never changed in place."""
 
-    class Cached(nn.Linear):  # returns the same tensor for the same input
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if getattr(self, "kept", None) is None:
-                self.kept = super().forward(x)
-            return self.kept
+@pytest.mark.parametrize("sampling", ["example", "component"])
+def test_forward_mode_ad_through_a_converted_model_without_gradients(sampling: str) -> None:
+    """Forward-mode AD (``torch.autograd.forward_ad``) under ``no_grad``, per-row and folded: the JVP is the
+    directional derivative (an in-place ``out=`` op in evaluation once broke this)."""
+    import torch.autograd.forward_ad as fwAD
 
     torch.manual_seed(0)
-    model = bayesify.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 5), nn.Tanh(),
-                                           Cached(5, 3)), components=3, sampling="example", task="members").eval()  # fmt: skip
-    _randomise_factors(model)
-    x = torch.randn(4, 3, 6, 6)
-    with torch.enable_grad():
-        expected = model(x)
-    model[4].kept = None
-    with torch.no_grad():
-        out = model(x)
-        kept = model[4].kept.clone()
-        again = model(x)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    torch.testing.assert_close(again, expected, rtol=0, atol=0)
-    torch.testing.assert_close(model[4].kept, kept, rtol=0, atol=0)  # the subclass's tensor is as it returned it
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Outputs(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.calls.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    with torch.no_grad(), Outputs() as log:
-        model[0](x)
-    assert "aten.addcmul.out" in log.calls and "aten.addcmul.default" not in log.calls, log.calls
+    model = bayesify.convert(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)), task="members", sampling=sampling)
+    model = model.double().eval()
+    x, v = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    with torch.no_grad(), bayesify.mode(model, route="tile", noise=False):
+        with fwAD.dual_level():
+            jvp = fwAD.unpack_dual(model(fwAD.make_dual(x, v))).tangent
+        step = 1e-6
+        numeric = (model(x + step * v) - model(x - step * v)) / (2 * step)
+    torch.testing.assert_close(jvp, numeric, rtol=1e-6, atol=1e-8)
