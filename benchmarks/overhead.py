@@ -3,10 +3,13 @@
     make bench            # = python benchmarks/overhead.py: the CPU table of the README
     python benchmarks/overhead.py --models resnet18:32 --repeats 25 --threads 2
     python benchmarks/overhead.py --device cuda --models resnet50:224 --batch 128 --amp bf16 [--compile]
+    python benchmarks/overhead.py --device cuda --models gpt2:256 --batch 16 --amp bf16   # GPT-2 small, 256 tokens
     python benchmarks/overhead.py --peers                 # + BatchEnsemble and bayesian-torch's mean-field
     python benchmarks/overhead.py --models resnet18:32 --profile   # + where the extra time goes (torch.profiler)
 
-For each model (``name:image size``, timm), K components, batch B, in one process, every row
+For each model (``name:image size`` of timm, or ``gpt2:tokens`` / ``gpt2-tiny:tokens``: a Hugging Face GPT-2 small
+/ a 2-layer one, randomly initialised, trained as a language model on random tokens), K components, batch B, in
+one process, every row
 timed round-robin with its yardstick (median of ``--repeats`` after a warm-up, so load on the
 machine hits all rows alike):
 
@@ -123,9 +126,11 @@ def make_step(
             if route == "tile":
                 with bayesify.mode(model, route="tile"):
                     logits = forward(x)
-                loss = F.cross_entropy(logits.float(), y.repeat(logits.shape[0] // y.shape[0]))
+                targets = y.repeat(logits.shape[0] // y.shape[0], *(1,) * (y.dim() - 1))
             else:
-                loss = F.cross_entropy(forward(x).float(), y)
+                logits, targets = forward(x), y
+            # classes on the last axis: [B, C], or a language model's [B, T, V] against [B, T]
+            loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
             if kl is not None:
                 loss = loss + kl(model) / 50_000
         if record is not None:
@@ -150,23 +155,54 @@ def make_eval(model: nn.Module, x: torch.Tensor, *, amp: torch.dtype | None = No
     return run
 
 
+class _LanguageModel(nn.Module):
+    """A Hugging Face causal LM as ``tokens [B, T] -> logits [B, T, V]`` (the benchmark's steps take plain tensors)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, use_cache=False).logits
+
+
 def _model(spec: str, device: torch.device) -> tuple[nn.Module, int]:
+    name, _, size = spec.partition(":")
+    if name in ("gpt2", "gpt2-tiny"):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        tokens = int(size or 256)
+        small = {} if name == "gpt2" else {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 1000, "bos_token_id": 0, "eos_token_id": 0}
+        config = GPT2Config(n_positions=max(1024, tokens), attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, **small)
+        return _LanguageModel(GPT2LMHeadModel(config)).to(device), tokens
     import timm
 
-    name, _, size = spec.partition(":")
     size = int(size or 224)
     kwargs = {"img_size": size} if "vit" in name or "deit" in name or "eva" in name else {}
     return timm.create_model(name, num_classes=10, **kwargs).to(device), size
+
+
+def _task(base: nn.Module) -> dict:
+    """What the model's output means (a language model's logits: classes on the last axis of [B, T, V])."""
+    return {"task": "classification", "class_axis": -1} if isinstance(base, _LanguageModel) else {"task": "classification"}
+
+
+def _inputs(base: nn.Module, size: int, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch and its targets: images and labels, or a language model's tokens and next tokens."""
+    if isinstance(base, _LanguageModel):
+        vocab = base.model.config.vocab_size
+        tokens = torch.randint(vocab, (batch, size + 1), device=device)
+        return tokens[:, :-1], tokens[:, 1:]
+    return torch.randn(batch, 3, size, size, device=device), torch.randint(10, (batch,), device=device)
 
 
 def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: torch.dtype | None) -> list[list[str]]:
     """The table rows of one model: each measured against its own yardstick, in one round-robin run."""
     base, size = _model(spec, device)
     k, batch = args.components, args.batch
-    x = torch.randn(batch, 3, size, size, device=device)
-    y = torch.randint(10, (batch,), device=device)
+    x, y = _inputs(base, size, batch, device)
     x_tiled, y_tiled = torch.cat([x] * k), torch.cat([y] * k)
-    rank1 = bayesify.convert(copy.deepcopy(base), components=k, sampling=args.sampling)
+    rank1 = bayesify.convert(copy.deepcopy(base), components=k, sampling=args.sampling, **_task(base))
     tiled = copy.deepcopy(rank1)
     options = dict(amp=amp, compile=args.compile)
     steps = {
@@ -178,7 +214,7 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
         "mixture": make_eval(copy.deepcopy(rank1), x, **options),
     }
     if args.peers:
-        be = bayesify.convert(copy.deepcopy(base), components=k, posterior="delta", sampling=args.sampling)
+        be = bayesify.convert(copy.deepcopy(base), components=k, posterior="delta", sampling=args.sampling, **_task(base))
         steps["delta"] = make_step(be, x, y, **options)
         try:
             from bayesian_torch.models.dnn_to_bnn import dnn_to_bnn, get_kl_loss
@@ -253,9 +289,8 @@ def profile(spec: str, args: argparse.Namespace, device: torch.device, amp: torc
     from torch.profiler import profile as torch_profile
 
     base, size = _model(spec, device)
-    x = torch.randn(args.batch, 3, size, size, device=device)
-    y = torch.randint(10, (args.batch,), device=device)
-    rank1 = bayesify.convert(copy.deepcopy(base), components=args.components, sampling=args.sampling)
+    x, y = _inputs(base, size, args.batch, device)
+    rank1 = bayesify.convert(copy.deepcopy(base), components=args.components, sampling=args.sampling, **_task(base))
     steps = {"deterministic": make_step(base, x, y, amp=amp), "rank-1": make_step(rank1, x, y, kl=bayesify.kl_divergence, amp=amp)}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
