@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from bayesify.config import Rank1Config
 from bayesify.layers._intercept import split_call
 from bayesify.layers.base import Draw, Rank1Layer
-from bayesify.layers.rank1_op import _equal_tiling, dense_blocks, fold_weight, fold_weights, rank1_affine, rank1_folded
+from bayesify.layers.rank1_op import fold_weight, fold_weights, rank1_affine, rank1_folded, run_blocks
 from bayesify.options import Perturbation, Sampling
 
 __all__ = ["Fold", "Rank1Affine"]
@@ -34,6 +34,15 @@ def _members_fixed(draw: Draw) -> bool:
         and not torch.compiler.is_compiling()
         and not isinstance(draw.rows, torch._subclasses.FakeTensor)
     )
+
+
+def _pick(table: Tensor, components: tuple[int, ...]) -> Tensor:
+    """Rows ``components`` of a per-component table: a view when they are consecutive (the usual 0..K-1,
+    or one fixed component), else a gathered copy."""
+    first = components[0]
+    if list(components) == list(range(first, first + len(components))):
+        return table.narrow(0, first, len(components))
+    return table[list(components)]
 
 
 @dataclass(frozen=True)
@@ -223,16 +232,9 @@ class Rank1Affine(Rank1Layer):
         offsets = self.rank1_bias  # [K, out] per component: the bias offset, plus the bias the caller gave
         if bias is not None:
             offsets = bias.expand(len(weights), -1) if offsets is None else offsets + bias
-        components = list(draw.fixed_components)
-        if fold.dense and batch_axis == 0 and _equal_tiling(draw.blocks, x.shape[0]):
-            if components != list(range(len(weights))):  # the blocks' components in another order, or some of them
-                weights, offsets = weights[components], None if offsets is None else offsets[components]
-            return dense_blocks(x, weights, offsets, transposed=fold.transposed)
-        outputs = []
-        for (start, stop), k in zip(draw.blocks, components):
-            offset = None if offsets is None else offsets[k]
-            outputs.append(fold.apply(x.narrow(batch_axis, start, stop - start), weights[k], offset))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, batch_axis)
+        components = draw.fixed_components
+        return run_blocks(x, draw.blocks, _pick(weights, components), None if offsets is None else _pick(offsets, components),
+                          fold.apply, batch_axis=batch_axis, transposed=fold.transposed, dense=fold.dense)  # fmt: skip
 
     def _rank1_folds(self, draw: Draw, x: Tensor, weight: Tensor) -> bool:
         """Whether this call runs folded: blocked rows, and (``sampling='auto'``) the folded path moves
