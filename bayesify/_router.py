@@ -77,6 +77,17 @@ class ForwardState:
     members: int  # copies of each example in the routed batch (K * samples when tiled, else 1)
     labels: Tensor | None = None  # a Hugging Face model's `labels` as given (to recompute its loss)
     fixed_components: tuple[int, ...] | None = None  # the blocks' components when the route fixes them (not sampled)
+    # the factors and offsets drawn for this pass, for the whole model at once, in the root's pre-hook (outside any
+    # checkpointed region, so a recomputation in the backward pass takes the very same values): every table,
+    # {(group, kind): [m, total]} (kind "blocks": a value per block; "rows": per row), and the tables taken
+    # out of them as the layers take them, {(group, kind, like): {slot: values}}
+    full: dict = field(default_factory=dict)
+    draws: dict = field(default_factory=dict)
+
+    @property
+    def signature(self) -> tuple:
+        """What decides which tables a pass draws: passes alike draw alike (see :meth:`Router.draw_ahead`)."""
+        return (self.spec.route, self.spec.noise, self.spec.samples, self.blocks is None, self.rows.shape[0])
 
 
 class Routing(NamedTuple):
@@ -86,6 +97,8 @@ class Routing(NamedTuple):
     blocks: tuple[Block, ...] | None = None  # contiguous runs of one component, when the rows run so
     block_components: Tensor | None = None  # [len(blocks)] their components, on the rows' device
     fixed_components: tuple[int, ...] | None = None  # the same as Python ints, when the route fixes them
+    forward: ForwardState | None = None  # the routed pass these rows belong to (its draws), if any
+    repeat: int = 1  # rows of this call per routed row: 1 the same rows, f > 1 each repeated f times, 0 the first only
 
 
 @dataclass
@@ -98,13 +111,57 @@ class Router:
     state: ForwardState | None = None
     active: bool = False  # inside the root's forward
     handles: list[RemovableHandle] = field(default_factory=list)
+    groups: list = field(default_factory=list)  # the model's tables (variational/store.py), drawn ahead of each pass
+    # how the layers take the draws, by signature: {signature: {(kind, like): {group: {slot, ...}}}}, learnt from
+    # their requests (a table first asked for is sliced out for its layer alone, and taken ahead from then on)
+    needs: dict = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
         # the forward pass in flight is not state to copy or save: after torch.export or torch.compile
         # it holds the tracer's fake tensors, which cannot be copied (copy.deepcopy, bayesify.merge)
         state = dict(self.__dict__)
-        state["state"], state["active"] = None, False
+        state["state"], state["active"], state["needs"] = None, False, {}
         return state
+
+    def draw_ahead(self, state: ForwardState) -> None:
+        """Draw every table of the model for this pass, each group in one go for the whole model: a value per
+        block ("blocks") and per row ("rows"), so that the draws and the random numbers they use do not depend
+        on which layers ask for which (:meth:`~bayesify.variational.store.TableGroup.draw_all`). Then take
+        the tables out as the layers took them in passes like this one (columns and shapes, ``state.draws``)."""
+        scales: dict = {}  # group: its posterior scale, shared by both kinds of draw
+        for kind, components in (("blocks", state.block_components), ("rows", state.rows)):
+            if components is None:
+                continue
+            if kind == "blocks" and state.fixed_components == tuple(range(self.components)):
+                components = None  # every component in order: the tables themselves, no gather
+            for group in self.groups:
+                scale = None
+                if state.spec.noise and group.sampled:
+                    scale = scales[group] = scales[group] if group in scales else group.scale()
+                state.full[(group, kind)] = group.draw_all(components, state.spec.noise, scale)
+        if torch.compiler.is_compiling():
+            return  # a compiled graph fuses the slices of its own: learning the takes would only recompile it
+        for (kind, like), groups in self.needs.get(state.signature, {}).items():
+            for group, slots in groups.items():
+                full = state.full.get((group, kind))
+                if full is not None:
+                    state.draws[(group, kind, like)] = group.take(full, sorted(slots), like)
+
+    def drawn(self, state: ForwardState, group: Any, slot: int, kind: str, like: tuple | None = None) -> Tensor | None:
+        """Table ``slot`` of ``group`` as drawn for ``state`` (``kind``: "blocks" or "rows"; ``like``: the
+        shape to take it in, see :meth:`~bayesify.variational.store.TableGroup.take`, if it was taken so
+        ahead), ``[m, features]`` otherwise; None for a group the router does not draw."""
+        values = state.draws.get((group, kind, like))
+        if values is not None and slot in values:
+            return values[slot]
+        full = state.full.get((group, kind))
+        if full is None:
+            return None
+        if not torch.compiler.is_compiling():
+            shapes = self.needs.setdefault(state.signature, {})
+            shapes.setdefault((kind, like), {}).setdefault(group, set()).add(slot)
+        start = group.starts[slot]
+        return full[:, start : start + group.sizes[slot]]
 
     @property
     def components(self) -> int:
@@ -161,16 +218,16 @@ class Router:
         rows, blocks, components, total = state.rows, state.blocks, state.block_components, state.rows.shape[0]
         fixed = state.fixed_components
         if n == total:
-            return Routing(rows, blocks, components, fixed)
-        if n % total == 0:
+            return Routing(rows, blocks, components, fixed, state)
+        if total and n % total == 0:
             # extra axes folded into the batch, batch-major (e.g. windows): repeat each row's component
             factor = n // total
             scaled = None if blocks is None else tuple((a * factor, b * factor) for a, b in blocks)
-            return Routing(rows[:, None].expand(total, factor).reshape(-1), scaled, components, fixed)
+            return Routing(rows[:, None].expand(total, factor).reshape(-1), scaled, components, fixed, state, factor)
         # a batch-independent input (e.g. a table fed through an MLP): one component for the whole call
         if blocks is None:
-            return Routing(rows[:1].expand(n))
-        return Routing(rows[:1].expand(n), ((0, n),), components[:1], None if fixed is None else fixed[:1])
+            return Routing(rows[:1].expand(n), forward=state, repeat=0)
+        return Routing(rows[:1].expand(n), ((0, n),), components[:1], None if fixed is None else fixed[:1], state, 0)
 
     # ---- hooks on the root module ------------------------------------------------------------
 
@@ -206,10 +263,12 @@ class Router:
                 self.state = ForwardState(spec, rows, None, None, batch, axis, 1)
             else:
                 self.state = ForwardState(spec, *_balanced_blocks(self.components, batch, device), batch, axis, 1)
+            self.draw_ahead(self.state)
             return args, kwargs
         if spec.route is Route.COMPONENT:
             rows = torch.full((batch,), spec.component, dtype=torch.long, device=device)
             self.state = ForwardState(spec, rows, ((0, batch),), rows[:1], batch, axis, 1, None, (spec.component,))
+            self.draw_ahead(self.state)
             return args, kwargs
         # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B); one block per member
         members = self.components * spec.samples
@@ -219,6 +278,7 @@ class Router:
         labels = kwargs.get("labels") if isinstance(kwargs.get("labels"), Tensor) else None
         fixed = tuple(i // spec.samples for i in range(members))
         self.state = ForwardState(spec, rows, blocks, components, batch, axis, members, labels, fixed)
+        self.draw_ahead(self.state)
 
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
         if axes is None:
@@ -257,6 +317,7 @@ class Router:
         rows = torch.full((batch,), component, dtype=torch.long, device=device)
         self.active = True
         self.state = ForwardState(spec, rows, ((0, batch),), rows[:1], batch, 0, 1)
+        self.draw_ahead(self.state)
         return args, kwargs
 
     def end(self, module: nn.Module, output: object) -> object:

@@ -32,6 +32,7 @@ from bayesify.layers.hf_conv1d import Rank1HFConv1D
 from bayesify.layers.linear import Rank1Linear
 from bayesify.layers.recurrent import Rank1RNN, Rank1RNNCell
 from bayesify.tasks import Auto, Classification, Task, infer_task
+from bayesify.variational import store
 
 __all__ = ["ConversionReport", "Skip", "SkipKind", "convert", "default_mapping", "revert"]
 
@@ -140,7 +141,11 @@ def is_weight_bearing(module: nn.Module) -> bool:
     Per-channel scales and tokens (``[C, 1, 1]``, ``[1, 1, D]``) are not; whether a table such as
     a position embedding is a linear map, ``summary(model, x)`` finds out by watching its use.
     """
-    return any(sum(size > 1 for size in p.shape) >= 2 for p in module.parameters(recurse=False))
+    return any(
+        sum(size > 1 for size in p.shape) >= 2
+        for name, p in module.named_parameters(recurse=False)
+        if not name.startswith("rank1_")  # bayesify's own (the store of a converted root)
+    )
 
 
 def static_skip(module: nn.Module) -> Skip | None:
@@ -290,6 +295,10 @@ def convert(
     model.__dict__["_rank1_report"] = report
     if not _router.is_root(model):
         _router.attach(model, router)
+    # every factor and bias offset into the model's flat store: one draw, one KL, few optimizer tensors per step
+    layers = [layer for _, layer in rank1_layers(model)]
+    store.pack(model, layers)
+    router.groups = list(dict.fromkeys(slot[0] for layer in layers for slot in store.slots_of(layer)))
     _weight_decay.install(model)  # timm's optimizer factory: no weight decay on the rank-1 parameters
     return model
 
@@ -359,6 +368,7 @@ def revert(model: nn.Module) -> nn.Module:
             _router.detach(module)
         module.__dict__.pop("_rank1_report", None)
         _weight_decay.remove(module)
+        store.remove(module)
         if not isinstance(module, ConvertedLayer):
             module.__dict__.pop("_rank1_context", None)
     for _, layer in list(rank1_layers(model)):

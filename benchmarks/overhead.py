@@ -81,6 +81,27 @@ class HeldBytes(TorchDispatchMode):
         return sum(size for ref, size in self.made.values() if not ref.expired())
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the ops a step dispatches (every aten op below autograd, views included; deterministic). On a GPU a
+    small-batch step is launch-bound, so this count, not the FLOPs, is what its time follows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_calls(step: Callable[[], None]) -> int:
+    """The ops one call of ``step`` dispatches (run it once before, so first-call work is not counted)."""
+    counter = OpCount()
+    with counter:
+        step()
+    return counter.calls
+
+
 def held_activation_bytes(step: Callable[..., None]) -> int:
     """What one training step ``step(record=...)`` holds from its forward pass for its backward (see :class:`HeldBytes`)."""
     record = HeldBytes()
@@ -213,6 +234,8 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
         "tile": make_step(tiled, x, y, route="tile", kl=bayesify.kl_divergence, **options),
         "mixture": make_eval(copy.deepcopy(rank1), x, **options),
     }
+    if getattr(args, "default_route_only", False):  # compiled runs: each step compiles once, so time only the main row
+        steps = {name: steps[name] for name in ("det@B", "sample")}
     if args.peers:
         be = bayesify.convert(copy.deepcopy(base), components=k, posterior="delta", sampling=args.sampling, **_task(base))
         steps["delta"] = make_step(be, x, y, **options)
@@ -222,15 +245,27 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
             print("(bayesian-torch not installed: its row is skipped; pip install -e '.[bench]')", file=sys.stderr)
         else:
             peer = copy.deepcopy(base)
-            dnn_to_bnn(peer, {"prior_mu": 0.0, "prior_sigma": 1.0, "posterior_mu_init": 0.0, "posterior_rho_init": -3.0,
-                              "type": "Reparameterization", "moped_enable": False})  # fmt: skip
-            steps["peer"] = make_step(peer, x, y, kl=get_kl_loss, **options)
+            try:
+                dnn_to_bnn(peer, {"prior_mu": 0.0, "prior_sigma": 1.0, "posterior_mu_init": 0.0, "posterior_rho_init": -3.0,
+                                  "type": "Reparameterization", "moped_enable": False})  # fmt: skip
+            except (AttributeError, TypeError, ValueError) as error:  # e.g. Hugging Face's Conv1D: no such layer there
+                print(f"(bayesian-torch cannot convert {spec}: {error}; its row is skipped)", file=sys.stderr)
+                peer = None
+            if peer is not None:
+                peer.to(device)  # dnn_to_bnn makes its new layers on the CPU
+                steps["peer"] = make_step(peer, x, y, kl=get_kl_loss, **options)
     seconds = dict(zip(steps, time_steps(list(steps.values()), args.repeats)))
-    memory = {} if args.compile else {n: held_activation_bytes(steps[n]) for n in ("det@B", "det@KB", "sample", "tile")}
-    peaks = {n: peak_step_bytes(steps[n], device) for n in ("det@B", "det@KB", "sample", "tile")}
+    trained = [n for n in ("det@B", "det@KB", "sample", "tile") if n in steps]
+    memory = {} if args.compile else {n: held_activation_bytes(steps[n]) for n in trained}
+    # ops dispatched per step, after the timing's warm-up (a compiled step's ops run inside its graph: not counted)
+    ops = {} if args.compile else {n: op_calls(steps[n]) for n in ("det@B", "det@KB", "det eval@KB", "sample", "tile", "mixture") if n in steps}
+    peaks = {n: peak_step_bytes(steps[n], device) for n in trained}
 
     def ratio(a: str, b: str) -> str:
         return f"{seconds[a] / seconds[b]:.2f}"
+
+    def count(a: str, b: str) -> str:
+        return f"{ops[a] / ops[b]:.2f} ({ops[b]} / {ops[a]})" if ops else "-"
 
     def mem(a: str, b: str) -> str:
         saved = f"{memory[a] / memory[b]:.2f}" if memory else "-"
@@ -239,17 +274,19 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
 
     title = f"{spec} B={batch}"
     rows = [
-        [title, "training step, default route", "det at B", ratio("sample", "det@B"), mem("sample", "det@B"),
-         f"{seconds['det@B'] * 1e3:.0f} / {seconds['sample'] * 1e3:.0f}"],
-        [title, "training step, tiled route", "det at K*B", ratio("tile", "det@KB"), mem("tile", "det@KB"),
-         f"{seconds['det@KB'] * 1e3:.0f} / {seconds['tile'] * 1e3:.0f}"],
-        [title, f"evaluation, mixture of {k}", "det at K*B", ratio("mixture", "det eval@KB"), "-",
-         f"{seconds['det eval@KB'] * 1e3:.0f} / {seconds['mixture'] * 1e3:.0f}"],
+        [title, "training step, default route", "det at B", ratio("sample", "det@B"), count("sample", "det@B"),
+         mem("sample", "det@B"), f"{seconds['det@B'] * 1e3:.0f} / {seconds['sample'] * 1e3:.0f}"],
+        [title, "training step, tiled route", "det at K*B", ratio("tile", "det@KB"), count("tile", "det@KB"),
+         mem("tile", "det@KB"), f"{seconds['det@KB'] * 1e3:.0f} / {seconds['tile'] * 1e3:.0f}"],
+        [title, f"evaluation, mixture of {k}", "det at K*B", ratio("mixture", "det eval@KB"), count("mixture", "det eval@KB"),
+         "-", f"{seconds['det eval@KB'] * 1e3:.0f} / {seconds['mixture'] * 1e3:.0f}"],
     ]  # fmt: skip
+    if "tile" not in steps:
+        rows = rows[:1]
     if "delta" in steps:
-        rows.append([title, "BatchEnsemble training step", "det at B", ratio("delta", "det@B"), "-", f"{seconds['delta'] * 1e3:.0f}"])
+        rows.append([title, "BatchEnsemble training step", "det at B", ratio("delta", "det@B"), "-", "-", f"{seconds['delta'] * 1e3:.0f}"])
     if "peer" in steps:
-        rows.append([title, "bayesian-torch mean-field step", "det at B", ratio("peer", "det@B"), "-", f"{seconds['peer'] * 1e3:.0f}"])
+        rows.append([title, "bayesian-torch mean-field step", "det at B", ratio("peer", "det@B"), "-", "-", f"{seconds['peer'] * 1e3:.0f}"])
     return rows
 
 
@@ -279,7 +316,7 @@ def recurrent_rows(args: argparse.Namespace, device: torch.device) -> list[list[
         torch_s, rank1_s = time_steps([step(layer.train()), step(rank1.train())], args.repeats)
         memory = held_activation_bytes(step(rank1)) / held_activation_bytes(step(layer))
         rows.append([f"{cls.__name__} 128, seq 50, B={args.batch}", "training step, default route", "torch's fused",
-                     f"{rank1_s / torch_s:.2f}", f"{memory:.2f}", f"{torch_s * 1e3:.0f} / {rank1_s * 1e3:.0f}"])  # fmt: skip
+                     f"{rank1_s / torch_s:.2f}", "-", f"{memory:.2f}", f"{torch_s * 1e3:.0f} / {rank1_s * 1e3:.0f}"])  # fmt: skip
     return rows
 
 
@@ -321,6 +358,7 @@ def main() -> None:
     parser.add_argument("--amp", choices=["bf16", "fp16"], help="autocast the forward to this dtype")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
     parser.add_argument("--peers", action="store_true", help="add BatchEnsemble and bayesian-torch rows")
+    parser.add_argument("--default-route-only", action="store_true", help="only the default-route training row (compiled runs)")
     parser.add_argument("--no-recurrent", dest="recurrent", action="store_false", help="skip the LSTM / GRU rows")
     parser.add_argument("--profile", action="store_true", help="also print the op profile of the first model's steps")
     args = parser.parse_args()
@@ -340,8 +378,8 @@ def main() -> None:
     print(f"bayesify {bayesify.__version__}, torch {torch.__version__}, {where}{extras}, K={args.components}, "
           f"sampling={args.sampling}, median of {args.repeats}")  # fmt: skip
     print(f"command: python {' '.join(sys.argv)}\n")
-    print("| model | figure | against | time x | memory x (held for backward) | ms (yardstick / rank-1) |")
-    print("|---|---|---|---|---|---|")
+    print("| model | figure | against | time x | ops x (yardstick / rank-1 per step) | memory x (held for backward) | ms (yardstick / rank-1) |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     if args.profile:

@@ -18,6 +18,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import bayesify
+from tests._rank1 import perturb
 
 
 def compiled_breaks(model: nn.Module, *inputs: torch.Tensor, calls: int = 1) -> tuple[dict[str, int], list[int]]:
@@ -34,13 +35,7 @@ def compiled_breaks(model: nn.Module, *inputs: torch.Tensor, calls: int = 1) -> 
 
 def perturbed(net: nn.Module, **options) -> nn.Module:
     model = bayesify.convert(net, components=4, task="classification", **options)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".loc"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif "rank1_bias" in name:
-                p.normal_(0, 0.2)
-    return model
+    return perturb(model)
 
 
 def _cnn() -> nn.Module:

@@ -28,7 +28,7 @@ def test_shares_parameters_and_keeps_state_dict_keys() -> None:
         assert after[name] is p, f"{name} was copied, not shared"
     new_keys = [k for k in net.state_dict() if k not in keys]
     assert list(net.state_dict())[: len(keys)] == keys or set(keys) <= set(net.state_dict())
-    assert new_keys and all(".rank1_" in k for k in new_keys), new_keys
+    assert new_keys and all(k.startswith("rank1_store_") for k in new_keys), new_keys  # the flat store, on the root
     # an optimizer made before conversion still trains the shared weights
     w0 = net[0].weight.detach().clone()
     net.train()
@@ -138,7 +138,7 @@ def test_user_mapping_converts_own_layers() -> None:
     assert isinstance(net[0], Rank1Dense) and isinstance(net[0], Dense)
     net.train()
     net(torch.randn(5, 4)).sum().backward()
-    assert net[0].rank1_s.loc.grad is not None
+    assert net[0].rank1_s.grad() is not None and net[0].rank1_s.grad().abs().sum() > 0
 
 
 def test_second_conversion_neither_stacks_nor_breaks() -> None:
@@ -191,8 +191,13 @@ def test_weights_used_directly_are_intercepted(name: str) -> None:
     report = bayesify.summary(model, x)
     assert not report.bypassed, report.bypassed
     model.train()
+    with torch.no_grad():  # timm zero-initialises some heads and post-norm scales (swinv2_cr): they stop every gradient
+        model.get_classifier().weight.normal_()
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm) and module.weight is not None:
+                module.weight.fill_(1.0)
     model(x).sum().backward()
-    missing = [n for n, layer in bayesify.rank1_layers(model) if layer.rank1_s.loc.grad is None]
+    missing = [n for n, layer in bayesify.rank1_layers(model) if not layer.rank1_s.grad().abs().sum() > 0]
     assert not missing, f"no gradient for {missing}"
 
 
@@ -235,7 +240,7 @@ def test_parametrized_and_pruned_layers(wrap, make, shape) -> None:
         torch.testing.assert_close(layer(x), torch.cat([ref, ref]))
     layer.train()
     layer(x).sum().backward()
-    assert layer.rank1_s.loc.grad is not None
+    assert layer.rank1_s.grad() is not None and layer.rank1_s.grad().abs().sum() > 0
 
 
 def test_num_components_of_a_model_its_parts_and_a_plain_model():

@@ -72,7 +72,7 @@ def test_identity_at_init_and_agreement_with_cpu(name):
         ref_cpu = model(x)
         model.to(DEVICE)
         ref = model(x.to(DEVICE))
-    bayesify.convert(model, components=4)
+    bayesify.convert(model, components=4, task="classification")  # the lstm+attention model says nothing itself
     assert all(p.device.type == DEVICE.type for p in bayesify.rank1_parameters(model))
     with torch.no_grad(), bayesify.mode(model, route="tile", noise=False):
         members = model(x.to(DEVICE)).reshape(4, *ref.shape)
@@ -92,7 +92,7 @@ def test_identity_at_init_and_agreement_with_cpu(name):
 def test_training_step(name, precision):
     factory, shape = _models()[name]
     torch.manual_seed(0)
-    model = bayesify.convert(factory(), components=4).to(DEVICE).train()
+    model = bayesify.convert(factory(), components=4, task="classification").to(DEVICE).train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     # fp16: GradScaler starts at 2**16 and halves it (skipping the step) while the scaled gradients
     # overflow, as it does for any fp16 model; the check is that it settles and real steps happen

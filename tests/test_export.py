@@ -22,6 +22,7 @@ from torch import nn
 from torch.export import Dim
 
 import bayesify
+from tests._rank1 import perturb
 
 ort = pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -32,13 +33,7 @@ BATCHES = (1, 2, 3, 4, 5, 7)  # traced at 2; 1 and K = 4 were the failing / sile
 
 def converted(net: nn.Module, **options) -> nn.Module:
     model = bayesify.convert(net, components=K, task="classification", **options)
-    with torch.no_grad():  # members that differ, so the mixture is not any single member
-        for name, p in model.named_parameters():
-            if name.endswith(".loc"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif "rank1_bias" in name:
-                p.normal_(0, 0.2)
-    return model.eval()
+    return perturb(model).eval()  # members that differ, so the mixture is not any single member
 
 
 def _eager(model: nn.Module, x: torch.Tensor, **mode) -> torch.Tensor:

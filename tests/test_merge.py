@@ -23,12 +23,14 @@ K = 3
 
 def _perturb(model: nn.Module, additive: bool = False) -> None:
     """Factors away from their identity and bias offsets away from zero, so that members differ."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".loc") or name == "loc":
-                p.copy_((0.0 if additive else 1.0) + 0.3 * torch.randn_like(p))
-            elif "rank1_bias" in name:
-                p.normal_(0, 0.2)
+    with torch.no_grad():  # each factor's loc and each bias offset is a view of the model's store: written through
+        for _, layer in bayesify.rank1_layers(model):
+            for _, factor in layer.rank1_factors():
+                factor.loc.copy_((0.0 if additive else 1.0) + 0.3 * torch.randn_like(factor.loc))
+            for name in layer.rank1_state.bias_offsets:
+                offset = getattr(layer, name)
+                if offset is not None:
+                    offset.normal_(0, 0.2)
 
 
 def _convert(module: nn.Module, **options) -> tuple[nn.Module, nn.Module]:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bayesify
+from tests._rank1 import perturb
 from bayesify.tasks import Binary, Classification, Gaussian, Members, Regression, TaskMap, infer_task
 
 DT = torch.float64
@@ -25,12 +26,7 @@ K = 3
 
 def _randomise(model: nn.Module) -> None:
     """Distinct components (delta posterior: exact per-member references)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".loc" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif "rank1_bias" in name:
-                p.normal_(0, 0.1)
+    perturb(model, offset_std=0.1)
 
 
 def _members_by_hand(model: nn.Module, *args) -> list:

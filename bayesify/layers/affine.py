@@ -194,7 +194,7 @@ class Rank1Affine(Rank1Layer):
             # per-row path's one of K*B rows (measured on the CPU: ResNet-18 at 32 px 1.37x vs 1.12x det)
             return self._rank1_members_folded(x, draw, fold, bias, batch_axis)
         if folds:
-            offset = None if self.rank1_bias is None else draw.gather_blocks(self.rank1_bias)
+            offset = draw.gather_blocks("rank1_bias")
             if bias is not None:  # one row per block (a bias given by the caller, e.g. SwinV2's q/k/v biases)
                 offset = bias.expand(len(draw.blocks), -1) if offset is None else offset + bias
             s, r = draw.sample_blocks(self.rank1_s, self.rank1_r)
@@ -202,10 +202,17 @@ class Rank1Affine(Rank1Layer):
                 x, draw.blocks, fold.weight, fold.apply, s, r, offset, batch_axis=batch_axis, groups=fold.groups,
                 transposed=fold.transposed, dense=fold.dense,
             )  # fmt: skip
-        offset = None if self.rank1_bias is None else draw.gather(self.rank1_bias)
+        # the per-row values in the shape that broadcasts against the activations, where the draw ahead has them so
+        like = None if batch_axis is None or additive or core_adds_bias else (x.dim(), batch_axis, channel_axis)
+        offset = draw.gather("rank1_bias", like)
         if bias is not None and not core_adds_bias:
-            offset = bias.unsqueeze(0) if offset is None else offset + bias
-        s, r = draw.sample(self.rank1_s, self.rank1_r)
+            if offset is None:
+                offset = bias.unsqueeze(0)
+            elif offset.dim() > 2 and channel_axis % offset.dim() != offset.dim() - 1:
+                offset = offset + bias.view(-1, *(1,) * (offset.dim() - 1 - channel_axis % offset.dim()))
+            else:
+                offset = offset + bias
+        s, r = draw.sample(self.rank1_s, self.rank1_r, like=like)
         return rank1_affine(
             x,
             core,

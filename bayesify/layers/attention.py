@@ -158,10 +158,9 @@ class Rank1MultiheadAttention(Rank1Layer):
         """``((x o s) W^T) o r + b + delta`` of ``x [L, B, F]``; per-example factors broadcast over L."""
         offset = None
         if bias is not None:
-            offsets = self.rank1_bias_out if name == "out" else self.rank1_bias_in
             index = {"q": 0, "k": 1, "v": 2, "out": 0}[name]
             e = self.embed_dim
-            offset = bias + draw.gather(offsets)[:, index * e : (index + 1) * e]
+            offset = bias + draw.gather("rank1_bias_out" if name == "out" else "rank1_bias_in")[:, index * e : (index + 1) * e]
         return rank1_affine(
             x,
             lambda v: F.linear(v, weight),

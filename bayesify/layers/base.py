@@ -40,7 +40,7 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 from torch import Tensor, nn
 
-from bayesify._router import Block, Router
+from bayesify._router import Block, ForwardState, Router
 from bayesify.config import Rank1Config
 from bayesify.options import Sampling
 from bayesify.layers._intercept import intercept
@@ -90,6 +90,7 @@ class LayerState:
     bypassed_by: set[str] = field(default_factory=set)  # functions that used the weight directly (summary)
     intercepted_by: str | None = None  # the last function whose use of the weight was routed here
     load_hook: int | None = None  # id of the load_state_dict pre-hook in the layer's hook dict (revert removes it)
+    packed: dict[str, tuple[Any, int]] = field(default_factory=dict)  # bias offsets in the model's store: (group, slot)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -102,9 +103,14 @@ class Draw:
     """How one call of a layer is routed: the component of each row, whether to sample, and the rows'
     blocks of one component each (when they run so; see :class:`bayesify.Sampling`).
 
+    Inside a routed forward pass the values come from the draws the router made for the whole model
+    ahead of the pass (one per group of tables, :mod:`bayesify.variational.store`): taking them costs
+    no op. A table not drawn ahead is drawn here, for this layer alone, and ahead in the passes that follow.
+
     Example:
         >>> draw = self.rank1_draw(x.shape[0], x.device)
         >>> s = draw.sample(self.rank1_s)          # [n, in_features], one vector per row
+        >>> offset = draw.gather("rank1_bias")     # [n, out_features], the bias offset of each row's component
     """
 
     rows: Tensor
@@ -113,14 +119,25 @@ class Draw:
     block_components: Tensor | None = None
     per_block: bool = False  # one sample per block on the per-row path too (sampling='component')
     fixed_components: tuple[int, ...] | None = None  # the blocks' components as ints, when the route fixes them
+    layer: Any = None  # the ConvertedLayer drawing (its bias offsets by name)
+    forward: ForwardState | None = None  # the routed pass, whose draws were made ahead
+    repeat: int = 1  # rows of this call per routed row (1 the same, f > 1 repeated, 0 the first only)
 
-    def sample(self, *factors: Rank1Factor) -> Tensor | list[Tensor]:
+    def sample(self, *factors: Rank1Factor, like: tuple[int, int, int] | None = None) -> Tensor | list[Tensor]:
         """One value of each factor per row, ``[n, features]``, from each row's component (a list for
-        several factors, drawn together)."""
+        several factors, drawn together).
+
+        ``like=(ndim, batch_axis, channel_axis)`` asks for the values in the shape that broadcasts
+        against an activation of that layout (``[n, features, 1, 1]`` for a 2-d convolution's input) where
+        they come so from the draw ahead, saving the layer a view per factor; they may also come as
+        ``[n, features]``, so take either (:func:`~bayesify.layers.rank1_op.rank1_affine` does).
+        """
         if self.per_block and self.blocks is not None:
             values = [_spread(v, self.blocks) for v in self._blocks(factors)]
         else:
-            values = sample_factors(factors, self.rows, self.noise)
+            values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], "rows", like)
+            if values is None:
+                values = sample_factors(factors, self.rows, self.noise)
         return values[0] if len(factors) == 1 else values
 
     def sample_blocks(self, *factors: Rank1Factor) -> Tensor | list[Tensor]:
@@ -130,16 +147,62 @@ class Draw:
 
     def _blocks(self, factors: tuple[Rank1Factor, ...]) -> list[Tensor]:
         assert self.block_components is not None, "per-block samples need blocked rows"
-        return sample_factors(factors, self.block_components, self.noise)
+        values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], "blocks")
+        return sample_factors(factors, self.block_components, self.noise) if values is None else values
 
-    def gather(self, table: Tensor) -> Tensor:
-        """Row ``k`` of a ``[K, ...]`` per-component table for each row: ``[n, ...]``."""
-        return table[self.rows]
+    def gather(self, table: Tensor | str, like: tuple[int, int, int] | None = None) -> Tensor | None:
+        """Row ``k`` of a ``[K, ...]`` per-component table for each row: ``[n, ...]``. ``table`` is a tensor,
+        or the name of one of the layer's bias offsets (None if the layer has none of that name); ``like``
+        as for :meth:`sample`."""
+        found = self._table(table, "rows", like)
+        if found is None or isinstance(found, _Drawn):
+            return None if found is None else found.value
+        return found[self.rows]
 
-    def gather_blocks(self, table: Tensor) -> Tensor:
-        """Row ``k`` of a ``[K, ...]`` per-component table for each block."""
+    def gather_blocks(self, table: Tensor | str) -> Tensor | None:
+        """Row ``k`` of a ``[K, ...]`` per-component table for each block (``table`` as for :meth:`gather`)."""
         assert self.block_components is not None, "gather_blocks() needs blocked rows"
-        return table[self.block_components]
+        found = self._table(table, "blocks")
+        if found is None or isinstance(found, _Drawn):
+            return None if found is None else found.value
+        return found[self.block_components]
+
+    def _table(self, table: Tensor | str, kind: str, like: tuple | None = None) -> "Tensor | _Drawn | None":
+        if not isinstance(table, str):
+            return table
+        state = self.layer.rank1_state
+        slot = state.packed.get(table)
+        if slot is None:
+            return getattr(self.layer, table)  # an unpacked table, or None (no bias to offset)
+        values = self._ahead([slot], kind, like)
+        return slot[0].table(slot[1]) if values is None else _Drawn(values[0])
+
+    def _ahead(self, slots: list, kind: str, like: tuple | None = None) -> list[Tensor] | None:
+        """The values drawn ahead for these ``(group, slot)`` s, shaped for this call's rows; None if any was not."""
+        forward = self.forward
+        if forward is None or self.layer is None or any(slot is None for slot in slots):
+            return None
+        if like is not None:
+            ndim, batch_axis, channel_axis = like
+            like = (ndim, batch_axis % ndim, channel_axis % ndim)
+            if self.repeat != 1 or kind != "rows" or like[1] >= like[2]:
+                like = None  # only the routed rows themselves, with the batch before the channels, come shaped
+        router = self.layer.rank1_state.router
+        values = [router.drawn(forward, group, index, kind, like) for group, index in slots]
+        if any(v is None for v in values):
+            return None
+        if self.repeat == 1:
+            return values
+        if self.repeat == 0:  # a batch-independent call: its rows all take the first row's (or block's) values
+            return [v[:1] if kind == "blocks" else v[:1].expand(self.rows.shape[0], -1) for v in values]
+        if kind == "blocks":
+            return values
+        return [v.unsqueeze(1).expand(-1, self.repeat, -1).reshape(-1, v.shape[-1]) for v in values]
+
+
+@dataclass(frozen=True)
+class _Drawn:
+    value: Tensor
 
 
 def _spread(per_block: Tensor, blocks: tuple[Block, ...]) -> Tensor:
@@ -264,9 +327,7 @@ class ConvertedLayer(nn.Module):
 
     # ---- helpers for layer families ------------------------------------------------------------
 
-    @property
-    def rank1_state(self) -> LayerState:
-        return self.__dict__["rank1_state"]
+    rank1_state: LayerState  # in the instance's __dict__ (a plain attribute: no property for torch.compile to trace)
 
     @property
     def rank1_config(self) -> Rank1Config:
@@ -288,8 +349,9 @@ class ConvertedLayer(nn.Module):
         routing = state.router.rows_for(n, device)
         per_block = state.config.sampling is Sampling.COMPONENT
         return Draw(
-            routing.rows, state.router.noise, routing.blocks, routing.block_components, per_block, routing.fixed_components
-        )
+            routing.rows, state.router.noise, routing.blocks, routing.block_components, per_block,
+            routing.fixed_components, self, routing.forward, routing.repeat,
+        )  # fmt: skip
 
     def rank1_factor(self, features: int, config: Rank1Config | None = None) -> Rank1Factor:
         """A new factor of ``features`` entries (K components), on this layer's device and dtype."""
@@ -320,10 +382,11 @@ class ConvertedLayer(nn.Module):
         self.rank1_state.bias_offsets[name] = present
         return offset
 
-    def rank1_bias_offsets(self) -> Iterator[tuple[nn.Parameter, list[nn.Parameter]]]:
-        """``(offset, [the original biases it offsets])`` for every declared bias offset."""
+    def rank1_bias_offsets(self) -> Iterator[tuple[Tensor, list[nn.Parameter]]]:
+        """``(offset, [the original biases it offsets])`` for every declared bias offset (the offset a
+        ``[K, features]`` Parameter, or a view of the model's store once packed)."""
         for name, biases in self.rank1_state.bias_offsets.items():
-            offset = self._parameters.get(name)
+            offset = getattr(self, name)
             if offset is not None:
                 yield offset, [_parameter(self, b) for b in biases]
 
@@ -343,9 +406,12 @@ class ConvertedLayer(nn.Module):
 
     def rank1_state_dict(self) -> dict[str, Tensor]:
         """This layer's own ``rank1_*`` entries of its ``state_dict`` (keys relative to the layer, values
-        the live Parameters and buffers): what an unconverted checkpoint does not hold."""
+        the live Parameters and buffers): what an unconverted checkpoint does not hold. Tables packed
+        into the model's store are the store's entries, not the layer's."""
         entries: dict[str, Tensor] = {}
         for name, value in [*self._parameters.items(), *self._buffers.items()]:
+            if name.startswith("rank1_store_"):
+                continue  # the store of a layer that is itself the model: loaded by its own hook
             if name.startswith("rank1_") and value is not None and name not in self._non_persistent_buffers_set:
                 entries[name] = value
         for name, child in self._modules.items():
@@ -354,11 +420,15 @@ class ConvertedLayer(nn.Module):
         return entries
 
     def rank1_parameters(self) -> Iterator[nn.Parameter]:
-        """The parameters bayesify added to this layer (factors, bias offsets and the like)."""
-        for _, factor in self.rank1_factors():
-            yield from factor.parameters()
-        for name, p in self.named_parameters(recurse=False):
-            if name.startswith("rank1_"):
+        """The parameters that hold what bayesify added to this layer (factors, bias offsets and the like):
+        once packed, the model's flat store Parameters its tables are columns of (shared with other layers)."""
+        seen: set[int] = set()
+        tables = [f.rank1_slot[0] if f.packed else f for _, f in self.rank1_factors()]
+        tables += [group for group, _ in self.rank1_state.packed.values()]
+        owned = [p for name, p in self.named_parameters(recurse=False) if name.startswith("rank1_")]
+        for p in [q for t in tables for q in t.parameters()] + owned:
+            if id(p) not in seen:
+                seen.add(id(p))
                 yield p
 
     def kl_divergence(self) -> Tensor:
@@ -370,7 +440,11 @@ class ConvertedLayer(nn.Module):
         return total
 
     def revert(self) -> nn.Module:
-        """Undo the conversion in place: the original class, with only its original state."""
+        """Undo the conversion in place: the original class, with only its original state.
+
+        A layer whose tables were packed into its model's store leaves its columns there: revert the
+        whole model (:func:`bayesify.revert`), which removes the store.
+        """
         for name, _ in list(self.rank1_factors()):
             delattr(self, name)
         for name in [n for n in self._parameters if n.startswith("rank1_")]:
@@ -384,6 +458,10 @@ class ConvertedLayer(nn.Module):
     # ---- plumbing ---------------------------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:
+        state = self.__dict__.get("rank1_state")
+        if state is not None and name in state.packed:  # a bias offset in the model's store: a view of its columns
+            group, slot = state.packed[name]
+            return group.table(slot)
         value = super().__getattr__(name)
         if name in type(self).rank1_intercepted:
             state = self.__dict__.get("rank1_state")

@@ -74,7 +74,7 @@ class Rank1Bilinear(Rank1Layer):
         s2 = broadcast_rows(draw.sample(self.rank1_s2).to(input2.dtype), input2.dim(), axis, -1)
         x2 = input2 + s2 if additive else input2 * s2
         bias = self._parameters.get("bias")
-        offset = None if bias is None else bias + draw.gather(self.rank1_bias)
+        offset = None if bias is None else bias + draw.gather("rank1_bias")
         weight = self._parameters["weight"]
         return rank1_affine(
             input1,

@@ -74,7 +74,7 @@ class Rank1CondConv2d(Rank1Layer):
             lambda v: type(self).__rank1_base__.forward(self, v, routing_weights),
             draw.sample(self.rank1_s),
             draw.sample(self.rank1_r),
-            None if self.rank1_bias is None else draw.gather(self.rank1_bias),
+            draw.gather("rank1_bias"),
             additive=self.rank1_config.perturbation is Perturbation.ADDITIVE,
             batch_axis=0,
             channel_axis=1,

@@ -77,12 +77,38 @@ def rank1_affine(
     Returns:
         The layer's output for every row.
     """
+    if additive or core_bias is not None:
+        return _rank1_affine_broadcast(x, core, s, r, offset, additive, batch_axis, channel_axis, core_bias)
+    s = s.to(x.dtype)
+    scaled, s_b = _scale(x, s, _row_shape(s, x.dim(), batch_axis, channel_axis))
+    with recomputing(scaled, torch.mul, x, s_b):  # the core's saved copy of x o s: made again in backward
+        out = core(scaled)
+    if r.dim() not in (2, out.dim()):  # values shaped for the input's layout, and the output has another
+        r = r.reshape(r.shape[batch_axis], -1)
+        offset = None if offset is None or offset.dim() == 2 else offset.reshape(offset.shape[batch_axis], -1)
+    shape = _row_shape(r, out.dim(), batch_axis, channel_axis)
+    offset_shape = None if offset is None else _row_shape(offset, out.dim(), batch_axis, channel_axis)
+    return _scale_shift(out, r.to(out.dtype), None if offset is None else offset.to(out.dtype), shape, offset_shape)
+
+
+def _rank1_affine_broadcast(
+    x: Tensor,
+    core: Callable[[Tensor], Tensor],
+    s: Tensor,
+    r: Tensor,
+    offset: Tensor | None,
+    additive: bool,
+    batch_axis: int | None,
+    channel_axis: int,
+    core_bias: Tensor | None,
+) -> Tensor:
+    """:func:`rank1_affine` in plain broadcast ops: the additive form, and a core that adds its own bias."""
     s = broadcast_rows(s.to(x.dtype), x.dim(), batch_axis, channel_axis)
     if additive:
         out = core(x + s)
     else:
         scaled = x * s
-        with recomputing(scaled, torch.mul, x, s):  # the core's saved copy of x o s: made again in backward
+        with recomputing(scaled, torch.mul, x, s):
             out = core(scaled)
     nd = out.dim()
     r = broadcast_rows(r.to(out.dtype), nd, batch_axis, channel_axis)
@@ -97,6 +123,118 @@ def rank1_affine(
         out = out + r
         return out if offset is None else out + offset
     return out * r if offset is None else torch.addcmul(offset, out, r)
+
+
+# The per-row path's two elementwise steps as autograd Functions with the fewest ops: the per-row values come in as
+# they are drawn ([rows, channels]) and are broadcast inside, so their gradients come back in that shape from one
+# multiply and one sum (autograd's own mul / addcmul take a scalar multiply per input of addcmul, and a sum and two
+# views per broadcast factor). On a GPU, where the step is launch-bound, that count is the time. Without gradients
+# (evaluation) or under forward-mode AD the plain ops run.
+
+
+def _row_shape(v: Tensor, ndim: int, batch_axis: int | None, channel_axis: int) -> tuple[int, ...] | None:
+    """The shape that broadcasts ``[m, C]`` per-row values against an ``ndim``-d activation (None: as they are,
+    which they are when they come in that shape from the draw ahead)."""
+    if v.dim() == ndim and ndim != 2:
+        return None
+    shape = [1] * ndim
+    if batch_axis is not None:
+        shape[batch_axis] = v.shape[0]
+    shape[channel_axis % ndim] = v.shape[-1]
+    if batch_axis is None:
+        return tuple(shape)
+    return None if tuple(shape) == tuple(v.shape) else tuple(shape)
+
+
+def _grad_wanted(*tensors: Tensor | None) -> bool:
+    # forward-mode AD takes the plain ops (the Functions define no jvp: torch.compile does not trace one)
+    forward_ad = getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+    return torch.is_grad_enabled() and not forward_ad and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _to_rows(t: Tensor, rows: torch.Size, shape: tuple[int, ...] | None) -> Tensor:
+    """``t`` (activation-shaped) summed to per-row values of shape ``rows`` (viewed as ``shape`` to broadcast
+    against ``t``; None: they broadcast as they are)."""
+    if shape is None:
+        axes = [i for i, (a, b) in enumerate(zip(t.shape, rows)) if b == 1 and a != 1]
+        return t.sum(axes, keepdim=True) if axes else t
+    axes = [i for i, size in enumerate(shape) if size == 1 and t.shape[i] != 1]
+    reduced = t.sum(axes) if axes else t
+    return reduced if reduced.shape == rows else reduced.reshape(rows)
+
+
+def _scale(x: Tensor, s: Tensor, shape: tuple[int, ...] | None) -> tuple[Tensor, Tensor]:
+    """``(x o s, s as broadcast)`` for per-row ``s`` (``shape``: how it broadcasts against ``x``)."""
+    if _grad_wanted(x, s):
+        return _Scale.apply(x, s, shape)
+    s_b = s if shape is None else s.view(shape)
+    return x * s_b, s_b
+
+
+def _scale_shift(
+    out: Tensor, r: Tensor, offset: Tensor | None, shape: tuple[int, ...] | None, offset_shape: tuple[int, ...] | None
+) -> Tensor:
+    """``out o r + offset`` for per-row ``r`` and ``offset`` (each broadcast against ``out`` as its shape says)."""
+    if _grad_wanted(out, r, offset):
+        return _ScaleShift.apply(out, r, offset, shape, offset_shape)
+    r_b = r if shape is None else r.view(shape)
+    if offset is None:
+        return out * r_b
+    return torch.addcmul(offset if offset_shape is None else offset.view(offset_shape), out, r_b)
+
+
+class _Scale(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, s: Tensor, shape: tuple[int, ...] | None) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        s_b = s if shape is None else s.view(shape)
+        return x * s_b, s_b
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+        x, s, shape = inputs
+        ctx.shape = shape
+        ctx.mark_non_differentiable(output[1])  # the broadcast view of s, for the recomputation only
+        ctx.set_materialize_grads(False)  # no zeros made for that output's (absent) gradient
+        ctx.save_for_backward(x, s, output[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor | None, _: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        if grad is None:
+            return None, None, None
+        x, s, s_b = ctx.saved_tensors
+        d_x = grad * s_b if ctx.needs_input_grad[0] else None
+        d_s = _to_rows(grad * x, s.shape, ctx.shape) if ctx.needs_input_grad[1] else None
+        return d_x, d_s, None
+
+
+class _ScaleShift(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(out: Tensor, r: Tensor, offset: Tensor | None, shape: tuple | None, offset_shape: tuple | None) -> Tensor:  # type: ignore[override]
+        r_b = r if shape is None else r.view(shape)
+        if offset is None:
+            return out * r_b
+        return torch.addcmul(offset if offset_shape is None else offset.view(offset_shape), out, r_b)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        out, r, offset, shape, offset_shape = inputs
+        ctx.shapes = (shape, offset_shape)
+        ctx.save_for_backward(out, r if shape is None else r.view(shape))  # r as broadcast: no view in backward
+        ctx.rows = (r.shape, None if offset is None else offset.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        out, r_b = ctx.saved_tensors
+        shape, offset_shape = ctx.shapes
+        d_out = grad * r_b if ctx.needs_input_grad[0] else None
+        d_r = _to_rows(grad * out, ctx.rows[0], shape) if ctx.needs_input_grad[1] else None
+        d_offset = _to_rows(grad, ctx.rows[1], offset_shape) if ctx.needs_input_grad[2] else None
+        return d_out, d_r, d_offset, None, None
+
 
 
 def fold_weight(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, transposed: bool = False) -> Tensor:
@@ -127,51 +265,56 @@ def fold_weights(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, trans
     return _fold(weight, rows, columns, groups)
 
 
-def _outer(rows: Tensor, columns: Tensor, per_group: int, groups: int) -> Tensor:
-    """``rows[i, o] * columns[i, j]`` as ``[m, out, per_group]``, ``j`` within output ``o``'s group."""
+def _factor_views(rows: Tensor, columns: Tensor, weight: Tensor, groups: int) -> tuple[Tensor, Tensor]:
+    """``rows`` ``[m, out]`` and ``columns`` ``[m, in]`` shaped to broadcast against ``m`` weights ``[m, *W.shape]``
+    (``columns[i, j]`` for input ``j`` within output ``o``'s group)."""
     m, n = rows.shape
+    per_group, kernel = weight.shape[1], (1,) * (weight.dim() - 2)
+    r = rows.view(m, n, 1, *kernel)
     if groups == 1:
-        columns = columns.view(m, 1, per_group)
-    else:
-        columns = columns.view(m, groups, 1, per_group).expand(m, groups, n // groups, per_group).reshape(m, n, per_group)
-    return rows.view(m, n, 1) * columns
+        return r, columns.view(m, 1, per_group, *kernel)
+    c = columns.view(m, groups, 1, per_group).expand(m, groups, n // groups, per_group).reshape(m, n, per_group, *kernel)
+    return r, c
 
 
 def _fold(weight: Tensor, rows: Tensor, columns: Tensor, groups: int) -> Tensor:
     """``weight[o, j, ...] * rows[i, o] * columns[i, j]`` for each ``i`` (``j`` within the row's group)."""
-    outer = _outer(rows, columns, weight.shape[1], groups)
-    return weight * outer.view(*outer.shape, *(1,) * (weight.dim() - 2))
+    r, c = _factor_views(rows, columns, weight, groups)
+    return weight * (r * c)
 
 
 class _FoldWeights(torch.autograd.Function):
+    # the fewest ops: two views and two multiplies forward; backward recomputes the outer product r s^T (no
+    # weight-sized intermediate is kept) and takes each gradient as one multiply and one sum
     @staticmethod
     def forward(ctx: Any, weight: Tensor, rows: Tensor, columns: Tensor, groups: int) -> Tensor:  # type: ignore[override]
-        ctx.groups = groups
-        ctx.save_for_backward(weight, rows, columns)
+        ctx.groups, ctx.shapes = groups, (rows.shape, columns.shape)
+        ctx.save_for_backward(weight, rows, columns)  # the inputs, so that a double backward reaches them
         return _fold(weight, rows, columns, groups)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         weight, rows, columns = ctx.saved_tensors
-        groups, (m, n), per_group = ctx.groups, rows.shape, weight.shape[1]
+        groups, (rows_shape, columns_shape) = ctx.groups, ctx.shapes
+        r, c = _factor_views(rows, columns, weight, groups)
         d_weight = d_rows = d_columns = None
         if ctx.needs_input_grad[0]:
-            outer = _outer(rows, columns, per_group, groups)
-            d_weight = grad * outer.view(*outer.shape, *(1,) * (weight.dim() - 2))  # each fold's share, summed
-            d_weight = (d_weight[0] if m == 1 else d_weight.sum(0)).to(weight.dtype)
+            d_weight = (grad * (r * c)).sum(0).to(weight.dtype)  # each fold's share, summed
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            q = grad * weight  # d/d(outer), summed over the kernel: [m, n, per_group]
+            q = grad * weight  # d/d(outer), summed over the kernel below
             if q.dim() > 3:
-                q = q.flatten(3).sum(3)
-            r_q, c_q = rows.to(q.dtype), columns.to(q.dtype)  # factors of another dtype than the weight
-            if groups == 1:
-                d_rows = torch.bmm(q, c_q.unsqueeze(2)).squeeze(2)
-                d_columns = torch.bmm(r_q.unsqueeze(1), q).squeeze(1)
-            else:
-                d_rows = (q * _outer(torch.ones_like(r_q), c_q, per_group, groups)).sum(2)
-                d_columns = (q.view(m, groups, n // groups, per_group) * r_q.view(m, groups, n // groups, 1)).sum(2)
-                d_columns = d_columns.reshape(m, -1)
-            d_rows, d_columns = d_rows.to(rows.dtype), d_columns.to(columns.dtype)
+                q = q.sum(tuple(range(3, q.dim())), keepdim=True)
+            r_q, c_q = r.to(q.dtype), c.to(q.dtype)  # factors of another dtype than the weight
+            kernel = tuple(range(3, q.dim()))
+            if ctx.needs_input_grad[1]:
+                d_rows = (q * c_q).sum((2, *kernel)).to(r.dtype)
+            if ctx.needs_input_grad[2]:
+                if groups == 1:
+                    d_columns = (q * r_q).sum((1, *kernel))
+                else:  # [m, out, per_group]: each group's outputs summed onto that group's inputs
+                    m, n = rows_shape
+                    d_columns = (q * r_q).view(m, groups, n // groups, weight.shape[1]).sum(2).reshape(columns_shape)
+                d_columns = d_columns.to(c.dtype)
         return d_weight, d_rows, d_columns, None
 
 

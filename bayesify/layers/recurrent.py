@@ -32,6 +32,8 @@ References:
 
 from __future__ import annotations
 
+import contextlib
+
 from functools import partial
 from typing import Any
 
@@ -144,9 +146,10 @@ class _Rank1Recurrent(Rank1Layer):
         if router.active and cache is not None and cache[0] is router.rows and key in cache[1]:
             return cache[1][key]
         draws = {name: draw.sample(factor) for name, factor in self.rank1_factors()}
-        for name, param in self._parameters.items():
-            if name.startswith("rank1_bias") and param is not None:
-                draws[name] = draw.gather(param)
+        for name in state.bias_offsets:
+            offset = draw.gather(name)
+            if offset is not None:
+                draws[name] = offset
         if router.active:
             if cache is None or cache[0] is not router.rows:
                 cache = (router.rows, {})
@@ -228,10 +231,16 @@ class _Rank1Recurrent(Rank1Layer):
         s_hr = r_hr = None
         if w_hr is not None:
             s_hr, r_hr = draws[f"rank1_s_hr{tag}"], draws[f"rank1_r_hr{tag}"]
-        return RecurrentScan.apply(
-            xi, h0, c0, params[f"weight_hh{tag}"], draws[f"rank1_s_hh{tag}"], r_h, b_h, w_hr, s_hr, r_hr,
-            mode, batch_sizes, reverse, additive,
-        )  # fmt: skip
+        tensors = [xi, h0, c0, params[f"weight_hh{tag}"], draws[f"rank1_s_hh{tag}"], r_h, b_h, w_hr, s_hr, r_hr]
+        # under autocast the input projection comes in the lower precision: the recurrence runs in it too (as torch's
+        # own nn.LSTM does), every tensor cast to it, with autocast off (the scan writes into buffers with out=,
+        # which autocast does not cast)
+        dtype = xi.dtype
+        tensors = [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t for t in tensors]
+        device = xi.device.type
+        autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
+        with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+            return RecurrentScan.apply(*tensors, mode, batch_sizes, reverse, additive)
 
     # ---- a recurrent layer used as the model: where the batch lies (see _routing.py) -------------
 

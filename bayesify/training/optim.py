@@ -53,10 +53,12 @@ GROUPS: tuple[str, ...] = ("weights", "no_decay", "rank1_factors", "rank1_other"
 
 
 def _factor_parameter_ids(model: nn.Module) -> set[int]:
+    """The Parameters holding r / s factors: each factor's own, or once packed the store's that hold its columns."""
     ids: set[int] = set()
     for module in model.modules():
         if isinstance(module, Rank1Factor):
-            ids.update(id(p) for p in module.parameters())
+            params = module.rank1_slot[0].parameters() if module.packed else module.parameters(recurse=False)
+            ids.update(id(p) for p in params)
     return ids
 
 

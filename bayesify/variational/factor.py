@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from bayesify.options import Init, Posterior
 from bayesify.variational import distributions
 from bayesify.variational.kl import KLTerm, kl_divergence
+from bayesify.variational.store import TableGroup
 
 if TYPE_CHECKING:
     from bayesify.config import Rank1Config
@@ -46,6 +47,7 @@ class Rank1Factor(nn.Module):
         super().__init__()
         self.features = features
         self.config = config
+        self.rank1_slot: tuple[TableGroup, int] | None = None  # (group, slot) once packed into the model's store
         shape = (config.components, features)
         self.loc = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         if config.posterior is Posterior.DELTA:
@@ -53,6 +55,39 @@ class Rank1Factor(nn.Module):
         else:
             self.rho = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         self.reset_parameters()
+
+    @property
+    def packed(self) -> bool:
+        """Whether its tables live in the model's flat store (:mod:`bayesify.variational.store`)."""
+        return self.__dict__.get("rank1_slot") is not None
+
+    def rank1_pack(self, group: TableGroup, slot: int) -> None:
+        """Hand the tables over to ``group`` (already holding their values at ``slot``): ``loc`` and ``rho``
+        become views of its columns."""
+        del self._parameters["loc"]
+        if "rho" in self._parameters:
+            del self._parameters["rho"]
+        self.rank1_slot = (group, slot)
+
+    def grad(self, name: str = "loc") -> Tensor | None:
+        """The gradient of this factor's ``loc`` (or ``rho``): once packed, a view of its columns of the store
+        Parameter's ``.grad`` (``factor.loc`` is then a view, and views hold no ``.grad``); None before any."""
+        slot = self.__dict__.get("rank1_slot")
+        if slot is None:
+            table = self._parameters.get(name)
+            return None if table is None else table.grad
+        group, index = slot
+        flat = group.loc if name == "loc" else group.rho
+        if flat is None or flat.grad is None:
+            return None
+        return flat.grad[:, group.starts[index] : group.starts[index] + group.sizes[index]]
+
+    def __getattr__(self, name: str) -> Any:
+        slot = self.__dict__.get("rank1_slot")
+        if slot is not None and name in ("loc", "rho"):
+            group, index = slot
+            return None if name == "rho" and group.rho is None else group.table(index, name)
+        return super().__getattr__(name)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -86,10 +121,14 @@ class Rank1Factor(nn.Module):
         return sample_factors((self,), rows, noise)[0]
 
     def kl_term(self) -> KLTerm | None:
-        """This factor's piece of the model's KL (None for a delta posterior)."""
-        if self.rho is None:
-            return None
+        """This factor's piece of the model's KL (None for a delta posterior). A packed factor's term names
+        its columns of the store instead of holding views, so a model's KL takes whole groups at once."""
         cfg = self.config
+        if cfg.posterior is Posterior.DELTA:
+            return None
+        if self.packed:
+            group, index = self.rank1_slot
+            return KLTerm(cfg.posterior, cfg.prior, cfg.prior_mean, cfg.resolved_prior_std(), None, None, group, index)
         return KLTerm(cfg.posterior, cfg.prior, cfg.prior_mean, cfg.resolved_prior_std(), self.loc, self.rho)
 
     def kl_divergence(self) -> Tensor:

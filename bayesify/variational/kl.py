@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, replace
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -130,15 +130,36 @@ class KLTerm:
     """Independent entries ``q(loc, softplus(raw) + 1e-7)`` of one posterior family and their prior.
 
     One piece of a model's KL divergence, as a layer declares it; ``loc`` and ``raw`` have the
-    same shape (any). The prior's parameters are Python floats, folded into the kernels.
+    same shape (any). The prior's parameters are Python floats, folded into the kernels. A factor
+    packed into the model's flat store names its columns instead (``group``, ``slot``; ``loc`` and
+    ``raw`` None): :func:`total_kl` then takes a group whose every table is named in one pass.
     """
 
     posterior: Posterior
     prior: Prior
     prior_mean: float
     prior_std: float
-    loc: Tensor
-    raw: Tensor
+    loc: Tensor | None
+    raw: Tensor | None
+    group: Any = None  # a bayesify.variational.store.TableGroup
+    slot: int | None = None
+
+
+def _resolve_packed(terms: Iterable[KLTerm]) -> list[KLTerm]:
+    """Terms naming columns of a store: one term per group whose every table is named, else views."""
+    plain: list[KLTerm] = []
+    packed: dict[int, tuple[KLTerm, Any, set[int]]] = {}
+    for term in terms:
+        if term.group is None:
+            plain.append(term)
+        else:
+            packed.setdefault(id(term.group), (term, term.group, set()))[2].add(term.slot)
+    for first, group, slots in packed.values():
+        if len(slots) == len(group.sizes):
+            plain.append(replace(first, loc=group.loc, raw=group.rho, group=None, slot=None))
+        else:
+            plain.extend(replace(first, loc=group.table(i), raw=group.table(i, "rho"), group=None, slot=None) for i in sorted(slots))
+    return plain
 
 
 def total_kl(terms: Iterable[KLTerm]) -> Tensor | None:
@@ -147,15 +168,17 @@ def total_kl(terms: Iterable[KLTerm]) -> Tensor | None:
     Returns None when there is nothing to sum (no terms), so callers choose the zero's device.
     """
     groups: dict[tuple, list[KLTerm]] = {}
-    for term in terms:
+    for term in _resolve_packed(terms):
         key = (term.posterior, term.prior, term.prior_mean, term.prior_std, term.loc.dtype, term.loc.device)
         groups.setdefault(key, []).append(term)
     sums: list[Tensor] = []
     for (posterior, prior, prior_mean, prior_std, _, _), group in groups.items():
-        loc = torch.cat([t.loc.reshape(-1) for t in group])
-        scale = positive_scale(torch.cat([t.raw.reshape(-1) for t in group]))
-        sums.append(kl_divergence(posterior, loc, scale, prior, prior_mean, prior_std))
+        loc = group[0].loc if len(group) == 1 else torch.cat([t.loc.reshape(-1) for t in group])
+        raw = group[0].raw if len(group) == 1 else torch.cat([t.raw.reshape(-1) for t in group])
+        sums.append(kl_divergence(posterior, loc, positive_scale(raw), prior, prior_mean, prior_std))
     if not sums:
         return None
+    if len(sums) == 1:
+        return sums[0]
     device = sums[0].device
     return torch.stack([s.to(device) for s in sums]).sum()

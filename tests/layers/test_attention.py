@@ -259,7 +259,9 @@ def test_revert_restores_attention() -> None:
     layer = nn.MultiheadAttention(E, HEADS, kdim=6, vdim=7)
     before = {n: p for n, p in layer.named_parameters()}
     bayesify.convert(layer, components=K)
-    assert {"rank1_s_k.loc", "rank1_r_out.rho", "rank1_bias_in", "rank1_bias_out"} <= set(layer.state_dict())
+    assert {"rank1_s_k", "rank1_r_out"} <= {n for n, _ in layer.rank1_factors()}
+    assert {"rank1_bias_in", "rank1_bias_out"} <= set(layer.rank1_state.packed)  # bias offsets in the store
+    assert {"rank1_store_0_loc", "rank1_store_0_rho", "rank1_store_1_loc"} <= set(layer.state_dict())
     bayesify.revert(layer)
     assert type(layer) is nn.MultiheadAttention
     assert {n: p for n, p in layer.named_parameters()} == before

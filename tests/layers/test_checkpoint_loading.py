@@ -1,8 +1,10 @@
 """An unconverted (pretrained) checkpoint loads strictly into a converted model; a damaged converted one does not.
 
-The rule, per converted layer (layers/base.py, the load pre-hook of the contract): none of the
-layer's ``rank1_*`` keys in the state dict -> an unconverted checkpoint, the current rank-1 values
-stay; some but not all -> strict loading reports the missing ones; original keys are always strict.
+The rank-1 tables live in the model's flat store (``rank1_store_<i>_loc`` / ``_rho`` on the root,
+``variational/store.py``), whose load pre-hook applies the rule per group of tables: none of its keys (nor
+release 0.2's per-layer keys) in the state dict -> an unconverted checkpoint, the current rank-1 values
+stay; a checkpoint of release 0.2 is mapped onto the store; a missing key is reported as missing; a
+checkpoint of another K is refused in one line. Original keys are always strict.
 """
 
 from __future__ import annotations
@@ -38,6 +40,23 @@ def _rank1_entries(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if "rank1_" in k}
 
 
+def legacy_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict as release 0.2 wrote it: one ``loc`` / ``rho`` per factor module, one
+    ``[K, features]`` table per bias offset, no store."""
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("rank1_store_")}
+    for name, layer in bayesify.rank1_layers(model):
+        prefix = f"{name}." if name else ""
+        for attr, factor in layer.rank1_factors():
+            state[f"{prefix}{attr}.loc"] = factor.loc.detach().clone()
+            if factor.rho is not None:
+                state[f"{prefix}{attr}.rho"] = factor.rho.detach().clone()
+        for attr in layer.rank1_state.bias_offsets:
+            table = getattr(layer, attr)
+            if table is not None:
+                state[f"{prefix}{attr}"] = table.detach().clone()
+    return state
+
+
 def _perturb(model: nn.Module) -> None:
     # rank-1 values away from their initialisation, so "kept" and "reset" differ
     with torch.no_grad():
@@ -63,8 +82,8 @@ def test_unconverted_checkpoint_loads_strictly_and_keeps_the_rank1_values(make) 
         assert torch.equal(after[key], value), key
     for key, value in rank1_before.items():
         assert torch.equal(after[key], value), key
-    layers = {name for name, _ in bayesify.rank1_layers(model)}
-    assert {key.split(".rank1_")[0] for key in rank1_before} == layers  # every converted layer was covered
+    store = {n for n, _ in model.named_parameters() if n.startswith("rank1_store_")}
+    assert set(rank1_before) == store  # every table lives in the store, and all of it was kept
 
 
 def test_the_loaded_function_is_the_pretrained_one() -> None:
@@ -89,18 +108,57 @@ def test_a_converted_checkpoint_still_replaces_the_rank1_values() -> None:
         assert torch.equal(target.state_dict()[key], value), key
 
 
-def test_some_but_not_all_rank1_keys_of_a_layer_are_reported_missing() -> None:
+def test_a_missing_key_of_the_store_is_reported_missing() -> None:
     model = bayesify.convert(SequenceModel().double(), task="classification")
     state = model.state_dict()
-    del state["head.rank1_r.rho"], state["attn.rank1_bias_out"]
-
+    rho = next(k for k in state if k.startswith("rank1_store_") and k.endswith("_rho"))
+    del state[rho]
     with pytest.raises(RuntimeError, match="Missing key") as error:
         model.load_state_dict(state, strict=True)
-    assert '"head.rank1_r.rho"' in str(error.value) and '"attn.rank1_bias_out"' in str(error.value)
-    assert "lstm" not in str(error.value)  # complete layers load as usual
+    assert f'"{rho}"' in str(error.value)
+    assert model.load_state_dict(state, strict=False).missing_keys == [rho]
 
-    result = model.load_state_dict(state, strict=False)
+
+@pytest.mark.parametrize(
+    "make", [lambda: SequenceModel().double(), lambda: timm.create_model("resnet18", num_classes=5)]
+)
+def test_a_checkpoint_of_release_0_2_loads_strictly_onto_the_store(make) -> None:
+    torch.manual_seed(0)
+    source = bayesify.convert(make(), task="classification")
+    _perturb(source)
+    legacy = legacy_state_dict(source)
+    assert not any(k.startswith("rank1_store_") for k in legacy) and any(k.endswith("rank1_s.loc") for k in legacy)
+    target = bayesify.convert(make(), task="classification")
+    result = target.load_state_dict(legacy, strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for key, value in source.state_dict().items():
+        assert torch.equal(target.state_dict()[key], value), key
+
+
+def test_release_0_2_keys_missing_from_a_checkpoint_are_reported_by_name() -> None:
+    model = bayesify.convert(SequenceModel().double(), task="classification")
+    legacy = legacy_state_dict(model)
+    del legacy["head.rank1_r.rho"], legacy["attn.rank1_bias_out"]
+    with pytest.raises(RuntimeError, match="Missing key") as error:
+        model.load_state_dict(legacy, strict=True)
+    assert '"head.rank1_r.rho"' in str(error.value) and '"attn.rank1_bias_out"' in str(error.value)
+    result = model.load_state_dict(legacy, strict=False)
     assert sorted(result.missing_keys) == ["attn.rank1_bias_out", "head.rank1_r.rho"]
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_checkpoint_of_another_k_is_refused_in_one_line_naming_both(legacy: bool) -> None:
+    saved = bayesify.convert(timm.create_model("resnet18", num_classes=5), components=2, task="classification")
+    state = legacy_state_dict(saved) if legacy else saved.state_dict()
+    model = bayesify.convert(timm.create_model("resnet18", num_classes=5), components=4, task="classification")
+    before = _rank1_entries(model)
+    with pytest.raises(RuntimeError) as error:
+        model.load_state_dict(state)
+    message = str(error.value)
+    assert "components=2" in message and "components=4" in message and "bayesify.convert(model, components=2)" in message
+    assert "size mismatch" not in message and len(message) < 600, message
+    for key, value in before.items():  # nothing of the refused tables was loaded
+        assert torch.equal(model.state_dict()[key], value), key
 
 
 def test_original_keys_stay_strict() -> None:
@@ -123,9 +181,10 @@ def test_the_callers_state_dict_is_not_changed() -> None:
 
 def test_assign_keeps_the_rank1_parameter_objects() -> None:
     model = bayesify.convert(SequenceModel().double(), task="classification")
-    loc = model.head.rank1_s.loc
+    store = [p for n, p in model.named_parameters() if n.startswith("rank1_store_")]
     model.load_state_dict(SequenceModel().double().state_dict(), assign=True)
-    assert model.head.rank1_s.loc is loc and loc.requires_grad
+    after = [p for n, p in model.named_parameters() if n.startswith("rank1_store_")]
+    assert all(a is b and a.requires_grad for a, b in zip(after, store)) and len(after) == len(store)
 
 
 def test_the_hook_survives_copies_and_goes_with_revert() -> None:

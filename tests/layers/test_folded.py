@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import bayesify
+from tests._rank1 import perturb
 from bayesify.layers.rank1_op import fold_weight, rank1_folded
 
 DT = torch.float64
@@ -24,12 +25,7 @@ K = 3
 
 
 def _randomise(model: nn.Module) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".loc" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif "rank1_bias" in name:
-                p.normal_(0, 0.2)
+    perturb(model)
 
 
 def _pair(module: nn.Module, task: str = "regression") -> tuple[nn.Module, nn.Module]:

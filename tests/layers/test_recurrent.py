@@ -329,10 +329,10 @@ def test_additive_matches_reference_formula(cls: type, kwargs: dict, perturbatio
         c = torch.zeros(B, H, dtype=DT)
         outs = []
         for t in range(T):
-            gi = (x[t] + get("s_ih")) @ w_ih.t() + get("r_ih") + p["bias_ih_l0"] + p["rank1_bias_ih_l0"][k]
+            gi = (x[t] + get("s_ih")) @ w_ih.t() + get("r_ih") + p["bias_ih_l0"] + layer.rank1_bias_ih_l0[k]
             gh = (h + get("s_hh")) @ w_hh.t() + get("r_hh") + p["bias_hh_l0"]
             if gru:
-                gh = gh + p["rank1_bias_hh_l0"][k]
+                gh = gh + layer.rank1_bias_hh_l0[k]
                 r, z = torch.sigmoid(gi[:, :H] + gh[:, :H]), torch.sigmoid(gi[:, H : 2 * H] + gh[:, H : 2 * H])
                 n = torch.tanh(gi[:, 2 * H :] + r * gh[:, 2 * H :])
                 h = (1 - z) * n + z * h
@@ -453,7 +453,9 @@ def test_parameter_names_and_revert() -> None:
     bayesify.convert(layer, components=K)
     names = set(layer.state_dict())
     assert before < names
-    assert {"rank1_s_ih_l1_reverse.loc", "rank1_r_hr_l0.rho", "rank1_bias_ih_l0_reverse"} <= names
+    assert {"rank1_store_0_loc", "rank1_store_0_rho", "rank1_store_1_loc"} <= names  # the flat store
+    assert {"rank1_s_ih_l1_reverse", "rank1_r_hr_l0"} <= {n for n, _ in layer.rank1_factors()}
+    assert "rank1_bias_ih_l0_reverse" in layer.rank1_state.packed
     bayesify.revert(layer)
     assert set(layer.state_dict()) == before and type(layer) is nn.LSTM
 

@@ -76,11 +76,10 @@ def test_l2_covers_point_estimates_and_effective_biases_not_factors():
         with_bn = by_hand + float(bn.weight.pow(2).sum() + bn.bias.pow(2).sum())
     assert float(l2_penalty(net).detach()) == pytest.approx(with_bn, rel=1e-5)
     assert float(l2_penalty(net, norm_layers=False).detach()) == pytest.approx(by_hand, rel=1e-5)
-    # r / s variational parameters get no gradient from it
+    # r / s variational parameters get no gradient from it (the bias offsets do)
     l2_penalty(net).backward()
-    for p in bayesify.rank1_parameters(net):
-        if p is not first.rank1_bias and p is not last.rank1_bias:
-            assert p.grad is None
+    for layer in (first, last):
+        assert layer.rank1_s.grad() is None and layer.rank1_r.grad("rho") is None
 
 
 def test_objective_sums_nll_annealed_kl_over_n_and_l2():
@@ -116,16 +115,18 @@ def test_objective_rejects_bad_settings():
 def _randomise_offsets(model: nn.Module) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "rank1_bias" in name:
-                p.normal_()
-            elif name.endswith("bias") or "bias_" in name:
+            if name.endswith("bias") or "bias_" in name:
                 p.uniform_(-1, 1)
+        for _, layer in bayesify.rank1_layers(model):
+            for offset, _ in layer.rank1_bias_offsets():
+                offset.normal_()  # a view of the model's store: written through
 
 
 def _hand_l2(model: nn.Module, effective: list[tuple[str, list[str]]]) -> float:
     """The L2 by hand: plain squares of every point estimate, except the biases in ``effective``, which
     enter as sum_k ||sum(biases) + offset_k||^2 (offset and bias names given, not read from bayesify)."""
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if not n.startswith("rank1_store_")}
+    params.update({offset: getattr(model, offset) for offset, _ in effective})  # views of the store
     factors = {n for n in params if ".loc" in n or ".rho" in n or n.startswith(("rank1_s", "rank1_r"))}
     used = {n for offset, biases in effective for n in [offset, *biases]}
     total = sum(float(p.double().pow(2).sum()) for n, p in params.items() if n not in factors | used)
@@ -174,5 +175,6 @@ def test_l2_takes_every_familys_bias_offsets_on_the_effective_bias(make, effecti
     assert float(l2_penalty(model)) == pytest.approx(_hand_l2(model, effective), rel=1e-9)
     l2_penalty(model).backward()
     for offset, _ in effective:
-        grad = dict(model.named_parameters())[offset].grad
+        group, slot = model.rank1_state.packed[offset]  # the offset's columns of the store
+        grad = None if group.loc.grad is None else group.loc.grad[:, group.starts[slot] : group.starts[slot] + group.sizes[slot]]
         assert grad is not None and grad.abs().sum() > 0, f"no L2 gradient on {offset}"
