@@ -1,7 +1,12 @@
-"""Hugging Face ``transformers`` glue: a merged model's tied weights.
+"""Hugging Face ``transformers`` glue: the ``Trainer``'s weight-decay names, and a merged model's tied weights.
 
 transformers stays optional: nothing here imports it; the functions look for it in ``sys.modules``
 (a model of its classes has imported it already).
+
+Example:
+    >>> class BayesianTrainer(transformers.Trainer):
+    ...     def get_decay_parameter_names(self, model):  # no weight decay on bayesify's parameters
+    ...         return bayesify.hf.decay_parameter_names(model, super().get_decay_parameter_names(model))
 """
 
 from __future__ import annotations
@@ -11,7 +16,37 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["keep_untied"]
+from bayesify.inspection import rank1_parameters
+
+__all__ = ["decay_parameter_names", "keep_untied"]
+
+
+def decay_parameter_names(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """``names`` (parameters of ``model`` to decay) without any parameter bayesify added.
+
+    For ``transformers.Trainer.get_decay_parameter_names``, which decays every parameter but
+    biases and norms, so the rank-1 factors' ``loc`` and ``rho`` too: decaying ``loc`` pulls the
+    factors (centred at the prior mean 1) to 0, decaying ``rho`` *widens* the posterior. bayesify's
+    parameters are told apart by identity (:func:`bayesify.rank1_parameters`), not by their names.
+
+    Args:
+        model: the model the names belong to (the converted model the ``Trainer`` optimises).
+        names: qualified parameter names, as ``Trainer.get_decay_parameter_names`` returns them.
+            A name that is no parameter of ``model`` (a slot holding None) is kept, as given.
+
+    Returns:
+        The names, in their order, less those of bayesify's parameters.
+
+    Example:
+        >>> class BayesianTrainer(Trainer):
+        ...     def get_decay_parameter_names(self, model):
+        ...         return bayesify.hf.decay_parameter_names(model, super().get_decay_parameter_names(model))
+    """
+    if isinstance(names, str):
+        raise TypeError(f"names={names!r} must be a list of parameter names, not one string.")
+    added = {id(p) for p in rank1_parameters(model)}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return [name for name in names if name not in params or id(params[name]) not in added]
 
 
 def keep_untied(model: nn.Module, untied: Iterable[str]) -> list[str]:
@@ -22,7 +57,7 @@ def keep_untied(model: nn.Module, untied: Iterable[str]) -> list[str]:
     it is asked to (``tie_weights()``, ``resize_token_embeddings``, loading a checkpoint), as its
     ``config.tie_word_embeddings`` says; that would throw the merged values away. So wherever a
     tie of such a model names an untied parameter, its config's ``tie_word_embeddings`` becomes
-    False; the other ties under that flag (T5's encoder and decoder embeddings) get their own
+    False; the other ties under that flag (BART's encoder and decoder token embeddings) get their own
     copies too, as the model no longer knows they are tied: ``save_pretrained`` keeps all of them
     and a reload loads each. The model's tie list (``all_tied_weights_keys``) is brought up to date.
 
