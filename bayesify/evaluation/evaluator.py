@@ -210,7 +210,8 @@ def evaluate(
         task: what the output means (default: the converted model's, see :func:`model_task`).
         ood: an out-of-distribution set (its targets are ignored): adds ``ood``, the AUROC, AUPR and
             FPR@95 of each uncertainty score (max probability, entropy, mutual information; for
-            regression the total and epistemic variances) separating it from ``data``.
+            regression the total and epistemic variances) separating it from ``data``, scored from
+            the sampled predictive (:func:`ood_detection`), and ``ood_scoring``, how.
 
     Returns:
         The metrics, plus ``components``, ``samples`` and ``task``. The model's RNG use (posterior
