@@ -56,7 +56,7 @@ __all__ = [
 
 # sub-packages loaded on first use (bayesify.detection, bayesify.training, ...); the deprecated ones of
 # release 0.1 (wrappers, priors, modules, data, models) warn when they load
-_LAZY = ("detection", "evaluation", "training", "zoo", "wrappers", "priors", "modules", "data", "models")
+_LAZY = ("detection", "evaluation", "hf", "training", "zoo", "wrappers", "priors", "modules", "data", "models")
 
 
 def __getattr__(name: str) -> object:

@@ -217,6 +217,10 @@ class Router:
             return Routing(torch.randint(self.components, (n,), device=device))
         rows, blocks, components, total = state.rows, state.blocks, state.block_components, state.rows.shape[0]
         fixed = state.fixed_components
+        if total == 0:
+            # an empty batch: its rows take the per-row path (no blocks, so no zero-row blocks to fold); a
+            # batch-independent input still has rows, and with no example to follow they go through component 0
+            return Routing(rows if n == 0 else rows.new_zeros(n))
         if n == total:
             return Routing(rows, blocks, components, fixed, state)
         if total and n % total == 0:
@@ -396,6 +400,8 @@ class Router:
                 return t
             if axis is None:
                 return t.movedim(dim, 0)
+            if batch == 0:  # an empty batch: every member is empty too (a leaf with rows is not batched)
+                return split_members(t, state.members, dim) if t.shape[dim] == 0 else t
             if t.shape[dim] % batch:
                 return t
             return split_members(t, t.shape[dim] // batch, dim)
@@ -419,7 +425,8 @@ def _balanced_blocks(components: int, batch: int, device: torch.device) -> tuple
     blocks = tuple((end - size, end) for size, end in zip(sizes, ends))
     order = torch.randperm(components)[: len(sizes)]
     # output_size: the length is known, so tracing it is no data-dependent shape
-    rows = order.repeat_interleave(torch.tensor(sizes), output_size=batch)
+    # (an empty batch has no blocks: the sizes must still be integers, as an empty list makes a float tensor)
+    rows = order.repeat_interleave(torch.tensor(sizes, dtype=torch.long), output_size=batch)
     return rows.to(device, non_blocking=True), blocks, order.to(device, non_blocking=True)
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from bayesify.convert import revert
+from bayesify.hf import keep_untied
 from bayesify.inspection import num_components, rank1_layers
 
 __all__ = ["merge"]
@@ -32,7 +33,10 @@ def merge(model: nn.Module, component: int) -> nn.Module:
 
     ``model`` is left untouched. Gaussian embeddings become their mean (the original table).
     Parameters that other modules share (tied weights, e.g. a language model's head and its token
-    embedding) are untied: the converted layer gets its own merged copy, with a warning.
+    embedding) are untied: the converted layer gets its own merged copy, with a warning. A Hugging
+    Face model's ``config.tie_word_embeddings`` becomes False in the copy, so that ``tie_weights()``,
+    ``resize_token_embeddings`` and ``save_pretrained`` / ``from_pretrained`` keep them apart
+    (:func:`bayesify.hf.keep_untied`).
 
     Args:
         model: a converted model (or a converted layer used as the model).
@@ -83,6 +87,7 @@ def merge(model: nn.Module, component: int) -> nn.Module:
             updates.append((name, layer, values))
 
         holders, names = _parameter_holders(merged)
+        untied: dict[str, list[str]] = {}  # a tied parameter that got its own copy: the names it was shared with
         for layer_name, layer, values in updates:
             for param_name, value in values.items():
                 owner_name, _, attr = param_name.rpartition(".")
@@ -91,17 +96,26 @@ def merge(model: nn.Module, component: int) -> nn.Module:
                 assert param is not None and param.shape == value.shape, f"{param_name} keeps its shape"
                 if len(holders[id(param)]) > 1:  # tied: give this layer its own merged copy
                     full = f"{layer_name}.{param_name}" if layer_name else param_name
-                    others = [n for n in names[id(param)] if n != full]
-                    warnings.warn(
-                        f"bayesify.merge: {full} was shared with {', '.join(others)}; the merged model holds its own "
-                        f"copy with component {component} folded in, so they are no longer tied (tying them again, "
-                        "e.g. tie_weights() when a Hugging Face model is saved and reloaded, would undo the merge).",
-                        stacklevel=2,
-                    )
+                    untied[full] = [n for n in names[id(param)] if n != full]
                     owner._parameters[attr] = nn.Parameter(value.to(param.dtype).clone(), param.requires_grad)
                 else:
                     param.copy_(value)
-    return revert(merged)
+    merged = revert(merged)
+    # a Hugging Face model would tie them again (tie_weights(), resize_token_embeddings, a reload)
+    flags = [f"merged.{p}.config" if p else "merged.config" for p in keep_untied(merged, untied)]
+    kept = (
+        f"{' and '.join(f + '.tie_word_embeddings' for f in flags)} {'is' if len(flags) == 1 else 'are'} now False, "
+        "so that tie_weights() and resize_token_embeddings keep them apart"
+        if flags
+        else "tying them again would undo the merge"
+    )
+    for full, others in untied.items():
+        warnings.warn(
+            f"bayesify.merge: {full} was shared with {', '.join(others)}; the merged model holds its own copy with "
+            f"component {component} folded in, so they are no longer tied ({kept}).",
+            stacklevel=2,
+        )
+    return merged
 
 
 def _parameter_holders(model: nn.Module) -> tuple[dict[int, set[tuple[int, str]]], dict[int, list[str]]]:

@@ -230,7 +230,7 @@ class Gaussian(Task):
     def reduce(self, members: Tensor) -> Tensor:
         means, variances = self.split(members.double())
         mean = means.mean(0)
-        total = variances.mean(0) + means.var(0, correction=0)
+        total = variances.mean(0) + (means - mean).square().mean(0)  # (not var(): it warns on an empty batch)
         param = {
             VarianceParameter.LOG: lambda v: v.log(),
             VarianceParameter.SOFTPLUS: lambda v: v + torch.log(-torch.expm1(-v)),  # softplus^-1

@@ -1,13 +1,15 @@
 """A converted Hugging Face model under ``transformers.Trainer`` (KL in ``compute_loss``) and ``generate``.
 
-The ``BayesianTrainer`` below is the README's "Hugging Face Trainer" snippet, verbatim. All offline on
-the CPU, with a 2-layer GPT-2 built from a config (no weights are downloaded).
+The ``BayesianTrainer`` below is the README's "Hugging Face Trainer" snippet with the KL warm-up as a
+constructor argument; ``test_the_readme_trainer_...`` runs the README's own code. All offline on the
+CPU, with a 2-layer GPT-2 built from a config (no weights are downloaded).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,9 @@ class BayesianTrainer(Trainer):
         weight = min(1.0, (self.state.global_step + 1) / max(1, self.kl_warmup_steps))
         loss = loss + weight * bayesify.kl_divergence(model) / len(self.train_dataset)
         return (loss, outputs) if return_outputs else loss
+
+    def get_decay_parameter_names(self, model):  # no weight decay on bayesify's parameters
+        return bayesify.hf.decay_parameter_names(model, super().get_decay_parameter_names(model))
 
 
 # ---- fixtures ------------------------------------------------------------------------------------
@@ -199,3 +204,46 @@ def test_generate_greedy_decodes_the_mixture() -> None:
             by_hand = torch.cat([by_hand, next_token], 1)
     assert generated.shape == (3, 5 + 6)
     assert torch.equal(generated, by_hand)
+
+
+# ---- weight decay: none on bayesify's parameters ----------------------------------------------------
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_trainer() -> type:
+    """The README's ``BayesianTrainer``, executed as written."""
+    code = re.search(r"\*\*Hugging Face `Trainer`\*\*.*?```python\n(.*?)```", README.read_text(), re.S).group(1)
+    namespace: dict = {"Trainer": Trainer, "bayesify": bayesify}
+    exec(compile(code, "README.md", "exec"), namespace)
+    return namespace["BayesianTrainer"]
+
+
+@pytest.mark.parametrize("trainer_class", [readme_trainer, lambda: BayesianTrainer], ids=["readme", "this-file"])
+def test_the_readme_trainer_does_not_decay_rank1_parameters(tmp_path: Path, trainer_class) -> None:
+    model = tiny_gpt2()
+    trainer = trainer_class()(model=model, args=arguments(tmp_path, weight_decay=0.01), train_dataset=[])
+    optimizer = trainer.create_optimizer()
+    added = {id(p) for p in bayesify.rank1_parameters(model)}
+    decayed = [p for g in optimizer.param_groups if g["weight_decay"] > 0 for p in g["params"]]
+    undecayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert added and added <= undecayed, "every rank-1 parameter is in a group without weight decay"
+    assert not added & {id(p) for p in decayed}
+    # the network's own weights are decayed as before: Trainer's names, less bayesify's only
+    own = [n for n in Trainer.get_decay_parameter_names(trainer, model) if "rank1_" not in n]
+    assert trainer.get_decay_parameter_names(model) == own
+    params = dict(model.named_parameters(remove_duplicate=False))
+    assert {id(p) for p in decayed} == {id(params[n]) for n in own} != set()  # (lm_head.weight is wte.weight)
+
+
+def test_decay_parameter_names_finds_bayesify_parameters_by_identity() -> None:
+    model = tiny_gpt2()
+    loc = next(bayesify.rank1_parameters(model))
+    model.register_parameter("alias", loc)  # a rank-1 parameter under a name without rank1_ in it
+    names = ["alias", "lm_head.weight", "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.rank1_s.loc"]
+    names.append("transformer.h.0.attn.no_such_parameter")  # a slot holding None: kept, as the Trainer gave it
+    assert bayesify.hf.decay_parameter_names(model, names) == [
+        "lm_head.weight", "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.no_such_parameter"
+    ]  # fmt: skip
+    with pytest.raises(TypeError, match=r"names='lm_head.weight' must be a list of parameter names"):
+        bayesify.hf.decay_parameter_names(model, "lm_head.weight")

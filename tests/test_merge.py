@@ -324,3 +324,60 @@ def test_merge_unties_a_shared_weight_with_a_warning() -> None:
         torch.testing.assert_close(merged(ids), converted(ids))
     assert merged.head.weight is not merged.embed.weight
     torch.testing.assert_close(merged.embed.weight, original.embed.weight)  # the embedding keeps its own values
+
+
+# ---- Hugging Face language models: a merged head stays untied -------------------------------------
+
+
+def _merged_lm(make) -> tuple[nn.Module, nn.Module, dict]:
+    """``(converted, member 1 merged, inputs)`` of a tiny Hugging Face LM built from a config (no hub)."""
+    _, converted = _convert(make())
+    ids = torch.randint(3, 100, (2, 5))
+    inputs = {"input_ids": ids}
+    if converted.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = ids[:, :3]
+    with pytest.warns(UserWarning, match=r"merged\.config\.tie_word_embeddings is now False"):
+        merged = bayesify.merge(converted, component=1).eval()
+    return converted, merged, inputs
+
+
+def _gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100))
+
+
+def _bart() -> nn.Module:
+    """Three ties under one flag: the head and the encoder's and decoder's token embeddings, all to ``shared``."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BartConfig(
+        vocab_size=100, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("make", [_gpt2, _bart], ids=["gpt2", "bart"])
+def test_merge_of_a_tied_hugging_face_head_survives_tying_resizing_and_a_reload(make, tmp_path) -> None:
+    converted, merged, inputs = _merged_lm(make)
+    with bayesify.mode(converted, component=1, noise=False):
+        expected = converted(**inputs).logits
+    with bayesify.mode(converted, component=0, noise=False):
+        other = converted(**inputs).logits
+    assert (other - expected).abs().max() > 1e-2  # the members differ: re-tying the head would show
+
+    assert merged.config.tie_word_embeddings is False and converted.config.tie_word_embeddings is True
+    assert "lm_head.weight" not in merged.all_tied_weights_keys
+    torch.testing.assert_close(merged(**inputs).logits, expected)
+    merged.tie_weights()  # what resize_token_embeddings and from_pretrained call
+    torch.testing.assert_close(merged(**inputs).logits, expected)
+    merged.save_pretrained(tmp_path)
+    reloaded = type(merged).from_pretrained(tmp_path, dtype=DT).eval()
+    torch.testing.assert_close(reloaded(**inputs).logits, expected)
+    merged.resize_token_embeddings(104)
+    torch.testing.assert_close(merged(**inputs).logits[..., :100], expected)
+
+
+def test_merge_without_a_hugging_face_model_keeps_the_config_out_of_it() -> None:
+    _, converted = _convert(_TiedLM())
+    with pytest.warns(UserWarning, match=r"no longer tied \(tying them again would undo the merge\)"):
+        bayesify.merge(converted, component=0)

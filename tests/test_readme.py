@@ -36,3 +36,15 @@ def test_every_option_is_in_the_readme_table() -> None:
     table = README.read_text().split("## Options", 1)[1].split("\n## ", 1)[0]
     for field in dataclasses.fields(Rank1Config):
         assert f"`{field.name}`" in table, f"README's options table does not list {field.name}"
+
+
+def test_the_install_section_names_every_extra_and_what_the_trainer_needs() -> None:
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    section = README.read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    for extra in extras:
+        assert f'"bayesify[{extra}]"' in section, f"README's install section does not show the {extra!r} extra"
+    assert any(dep.startswith("accelerate") for dep in extras["hf"])  # what the section says the hf extra brings
+    assert "`transformers.Trainer` does not start without `accelerate`" in section

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 import bayesify
 
@@ -233,3 +235,101 @@ def test_predict_keeps_each_outputs_own_batch_axis() -> None:
     members, (h_members, _) = bayesify.predict(lstm, x, samples=3, noise=False)
     torch.testing.assert_close(members[4], tiled[:, 16:20])
     torch.testing.assert_close(h_members[4], h_tiled[:, 16:20])
+
+
+class _TableNet(nn.Module):
+    """A converted layer on a batch-independent input (a learned table) next to the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5, 6))
+        self.proj = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x + self.proj(self.table).mean(0))
+
+
+class _PaddedAttention(nn.Module):
+    """Self-attention with a key padding mask made from the batch (no padded key here)."""
+
+    def __init__(self, need_weights: bool = True) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.need_weights = need_weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padding = torch.zeros(x.shape[:2], dtype=torch.bool)
+        return self.attention(x, x, x, key_padding_mask=padding, need_weights=self.need_weights)[0]
+
+
+def _hf_dense() -> nn.Module:
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D  # Hugging Face's [in, out] dense layer
+    return nn.Sequential(conv1d(8, 6), nn.ReLU(), conv1d(3, 8))
+
+
+# name: (the plain model, its inputs with an empty batch, its task)
+EMPTY_BATCH_MODELS = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)), [(0, 6)], "classification"),
+    "cnn": (
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Linear(8, 3),
+        ),
+        [(0, 3, 8, 8)],
+        "classification",
+    ),
+    "conv1d": (lambda: nn.Sequential(nn.Conv1d(3, 8, 3), nn.ConvTranspose1d(8, 4, 3)), [(0, 3, 8)], "regression"),
+    "gaussian": (lambda: nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4)), [(0, 6)], "gaussian"),
+    "multilabel": (lambda: nn.Linear(6, 2), [(0, 6)], "multilabel"),
+    "lstm": (lambda: nn.LSTM(6, 5, num_layers=2, batch_first=True), [(0, 4, 6)], "regression"),
+    "gru_sequence_first": (lambda: nn.GRU(6, 5, bidirectional=True), [(4, 0, 6)], "regression"),
+    "transformer": (lambda: nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), [(0, 4, 8)], "regression"),
+    "padded_attention": (_PaddedAttention, [(0, 4, 8)], "regression"),
+    "hf_conv1d": (_hf_dense, [(0, 4, 6)], "regression"),
+    "bilinear": (lambda: nn.Bilinear(6, 6, 3), [(0, 6), (0, 6)], "classification"),
+    "table": (_TableNet, [(0, 6)], "classification"),
+}
+
+
+@pytest.mark.filterwarnings("error")  # no warning either (a variance over no examples warns)
+@pytest.mark.parametrize("sampling", ["auto", "example", "component"])
+@pytest.mark.parametrize("name", list(EMPTY_BATCH_MODELS))
+def test_an_empty_batch_gives_the_plain_models_empty_outputs(name: str, sampling: str) -> None:
+    """The end of a sharded or filtered loader: a batch of size 0 in training, evaluation, predict, uncertainty."""
+    make, shapes, task = EMPTY_BATCH_MODELS[name]
+    net = make()
+    xs = [torch.randn(shape) for shape in shapes]
+    batch_dim = 1 if name == "gru_sequence_first" else 0
+    expected = [t.shape for t in tree_leaves(net.eval()(*xs))]  # what the plain model returns
+    bayesify.convert(net, components=3, task=task, sampling=sampling, batch_dim=batch_dim)
+
+    out = net.train()(*xs)
+    assert [t.shape for t in tree_leaves(out)] == expected
+    (sum(t.sum() for t in tree_leaves(out)) + bayesify.kl_loss(net, 10)).backward()
+    assert [t.shape for t in tree_leaves(net.eval()(*xs))] == expected
+    with bayesify.mode(net, route="tile"):
+        assert [t.shape for t in tree_leaves(net(*xs))] == expected
+    members = bayesify.predict(net, *xs, samples=2)
+    assert [t.shape for t in tree_leaves(members)] == [(6, *shape) for shape in expected]
+    u = bayesify.uncertainty(net, *xs)
+    fields = [getattr(u, f.name) for f in dataclasses.fields(u)]
+    assert all(t.numel() == 0 for t in fields if isinstance(t, torch.Tensor)), f"{type(u).__name__} of no examples"
+
+
+def test_an_empty_batch_has_empty_uncertainty_fields() -> None:
+    net = bayesify.convert(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)), task="classification")
+    u = bayesify.uncertainty(net.eval(), torch.randn(0, 6))
+    assert u.probs.shape == (0, 3)
+    assert u.predictive_entropy.shape == u.expected_entropy.shape == u.mutual_information.shape == (0,)
+    assert u.prediction.shape == (0,)
+
+
+def test_an_empty_batch_through_padded_attention_without_weights() -> None:
+    """The scaled-dot-product path with a key padding mask (torch's own module fails here on an empty batch)."""
+    net = bayesify.convert(_PaddedAttention(need_weights=False), components=3, task="regression")
+    x = torch.randn(0, 4, 8)
+    assert net.train()(x).shape == net.eval()(x).shape == (0, 4, 8)
+    torch.manual_seed(0)
+    full = net(torch.randn(2, 4, 8))  # and the same path on a batch that is not empty
+    assert full.shape == (2, 4, 8) and torch.isfinite(full).all()

@@ -13,6 +13,7 @@ from bayesify.evaluation.evaluator import (
     evaluate,
     evaluate_corruptions,
     model_task,
+    ood_detection,
     predict_members,
 )
 from bayesify.evaluation.metrics import compute_metrics, task_metrics
@@ -34,6 +35,7 @@ __all__ = [
     "evaluate_run",
     "markdown_report",
     "model_task",
+    "ood_detection",
     "ood_metrics",
     "ood_scores",
     "open_run",

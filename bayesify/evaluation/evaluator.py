@@ -28,7 +28,7 @@ from bayesify.evaluation.corruptions import (
     parse_severities,
 )
 from bayesify.evaluation.metrics import compute_metrics, member_log_probs_from_logits, task_metrics
-from bayesify.evaluation.ood import ood_metrics_per_score
+from bayesify.evaluation.ood import ood_metrics_per_score, score_notes
 from bayesify.inspection import is_converted, num_components
 from bayesify.mode import predict
 from bayesify.tasks import Auto, Task, infer_task, parse_task
@@ -40,6 +40,7 @@ __all__ = [
     "evaluate",
     "evaluate_corruptions",
     "model_task",
+    "ood_detection",
     "predict_members",
 ]
 
@@ -55,6 +56,7 @@ def collect_members(
     device: torch.device | str = "cpu",
     transform: Transform | None = None,
     corrupt: Callable[[Tensor, int], Tensor] | None = None,
+    noise: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The raw member outputs ``[K * M, N, ...]`` (component-major) and the targets ``[N, ...]``, on the CPU.
 
@@ -65,6 +67,8 @@ def collect_members(
         device: where the model runs.
         transform: applied to inputs on the device before the model (e.g. normalisation).
         corrupt: ``corrupt(inputs, batch_index)`` applied to the raw inputs before ``transform``.
+        noise: sample the factors (True) or use the posterior means (False); None: as
+            :func:`bayesify.predict` decides (sampled for ``samples > 1``, else the model's default).
     """
     model.eval()
     converted = is_converted(model)
@@ -75,7 +79,7 @@ def collect_members(
         x = x.to(device)
         if transform is not None:
             x = transform(x)
-        members = predict(model, x, samples=samples) if converted else model(x).unsqueeze(0)
+        members = predict(model, x, samples=samples, noise=noise) if converted else model(x).unsqueeze(0)
         if not isinstance(members, Tensor):
             raise ValueError(
                 f"evaluate() takes models that return one tensor; {type(model).__name__} returns "
@@ -206,7 +210,8 @@ def evaluate(
         task: what the output means (default: the converted model's, see :func:`model_task`).
         ood: an out-of-distribution set (its targets are ignored): adds ``ood``, the AUROC, AUPR and
             FPR@95 of each uncertainty score (max probability, entropy, mutual information; for
-            regression the total and epistemic variances) separating it from ``data``.
+            regression the total and epistemic variances) separating it from ``data``, scored from
+            the sampled predictive (:func:`ood_detection`), and ``ood_scoring``, how.
 
     Returns:
         The metrics, plus ``components``, ``samples`` and ``task``. The model's RNG use (posterior
@@ -221,16 +226,74 @@ def evaluate(
         outputs, targets = collect_members(
             model, _loader(data, batch_size), samples=samples, device=device, transform=transform
         )
-        ood_outputs = None
+        detection = None
         if ood is not None:
-            ood_outputs, _ = collect_members(
-                model, _loader(ood, batch_size), samples=samples, device=device, transform=transform
-            )
+            detection = ood_detection(
+                model, task, _loader(data, batch_size), _loader(ood, batch_size), samples=samples, device=device,
+                transform=transform, outputs=outputs,
+            )  # fmt: skip
     results = task_metrics(task, outputs, targets, components=k, bins=bins, members=members)
     results.update(components=k, samples=samples if is_converted(model) else 1, task=str(task))
-    if ood_outputs is not None:
-        results["ood"] = ood_metrics_per_score(members_uncertainty(task, outputs), members_uncertainty(task, ood_outputs))
+    if detection is not None:
+        results["ood"], results["ood_scoring"] = detection
     return results
+
+
+OOD_SAMPLES = 4
+"""Posterior samples per component behind the OOD scores where the evaluation itself runs at the
+posterior means (``samples=1``): the epistemic scores need the posterior's spread, as in
+:func:`bayesify.uncertainty` (whose default this is)."""
+
+
+@torch.no_grad()
+def ood_detection(
+    model: nn.Module,
+    task: Task,
+    data: Iterable[tuple[Tensor, Tensor]],
+    ood: Iterable[tuple[Tensor, Tensor]],
+    *,
+    samples: int = 1,
+    device: torch.device | str = "cpu",
+    transform: Transform | None = None,
+    outputs: Tensor | None = None,
+) -> tuple[dict[str, dict[str, float]], dict[str, object]]:
+    """How well each uncertainty score tells ``ood`` from ``data``, scored from the sampled predictive.
+
+    A converted model's scores come from K x M members drawn from the posterior, as
+    :func:`bayesify.uncertainty` draws them (M = ``samples``, or :data:`OOD_SAMPLES` when
+    ``samples`` is 1): the K posterior means that evaluation uses by default barely differ, so
+    their mutual information (the members' disagreement) says little. A plain model is its one
+    network.
+
+    Args:
+        model: a converted or a plain model.
+        task: what its output means.
+        data: the in-distribution batches; ``ood``: the out-of-distribution ones (targets ignored).
+        samples: M of the evaluation.
+        device, transform: as for :func:`collect_members`.
+        outputs: ``data``'s members as the evaluation collected them with ``samples``: reused when
+            they are sampled already (``samples > 1``) or the model is plain.
+
+    Returns:
+        ``(table, scoring)``: :func:`~bayesify.evaluation.ood.ood_metrics_per_score` of the two sets,
+        and how they were scored: ``components``, ``samples``, ``sampled`` (posterior noise on) and
+        ``notes`` (``{score: why it is uninformative, or that it ranks below chance}``, see
+        :func:`~bayesify.evaluation.ood.score_notes`).
+    """
+    converted = is_converted(model)
+    k = num_components(model)
+    m = (samples if samples > 1 else OOD_SAMPLES) if converted else 1
+
+    def members(batches: Iterable[tuple[Tensor, Tensor]]) -> Tensor:
+        return collect_members(model, batches, samples=m, device=device, transform=transform, noise=converted)[0]
+
+    reuse = outputs is not None and (not converted or samples > 1)
+    inside = outputs if reuse else members(data)
+    outside = members(ood)
+    u_in, u_out = members_uncertainty(task, inside), members_uncertainty(task, outside)
+    table = ood_metrics_per_score(u_in, u_out)
+    scoring = {"components": k, "samples": m, "sampled": converted, "notes": score_notes(u_in, u_out, table, k * m)}
+    return table, scoring
 
 
 def evaluate_corruptions(

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from bayesify.uncertainty import BinaryUncertainty, ClassificationUncertainty, RegressionUncertainty
 
-__all__ = ["ood_metrics", "ood_metrics_per_score", "ood_scores"]
+__all__ = ["ood_metrics", "ood_metrics_per_score", "ood_scores", "score_notes"]
 
 _TPR_LEVEL = 0.95
 
@@ -159,3 +159,49 @@ def ood_metrics_per_score(
         )
     inside, outside = ood_scores(in_uncertainty), ood_scores(out_uncertainty)
     return {name: ood_metrics(inside[name], outside[name]) for name in inside}
+
+
+_EPISTEMIC = {"mutual_information": "entropy", "epistemic_variance": "total_variance"}  # score: its total
+_NEGLIGIBLE = 1e-6  # an epistemic part below this share of the total is rounding, not disagreement
+
+
+def score_notes(
+    in_uncertainty: ClassificationUncertainty | BinaryUncertainty | RegressionUncertainty,
+    out_uncertainty: ClassificationUncertainty | BinaryUncertainty | RegressionUncertainty,
+    table: dict[str, dict[str, float]],
+    members: int,
+) -> dict[str, str]:
+    """What a reader must know about a score of :func:`ood_metrics_per_score` before trusting its numbers.
+
+    A score is *uninformative* when it takes one value on every example of both sets, so that its
+    AUROC (0.5 by ties) tells nothing about them: an epistemic score (the members' disagreement) of a
+    single member, or of members that all agree (below a millionth of the total uncertainty on
+    every example: rounding, not disagreement), or any score that is constant. A score whose AUROC
+    is below 0.5 is higher on the test set than on the OOD set: it ranks the OOD set as the more
+    familiar one.
+
+    Args:
+        in_uncertainty, out_uncertainty: the uncertainty of the test set and of the OOD set.
+        table: their :func:`ood_metrics_per_score`.
+        members: how many members the uncertainty was computed from.
+
+    Returns:
+        ``{score: note}`` for the scores that need one.
+    """
+    inside, outside = ood_scores(in_uncertainty), ood_scores(out_uncertainty)
+
+    def both(name: str) -> Tensor:
+        return torch.cat([inside[name].flatten(), outside[name].flatten()]).double()
+
+    notes = {}
+    for name, metrics in table.items():
+        values = both(name)
+        blind = ", so its AUROC tells nothing about them"
+        if name in _EPISTEMIC and bool((values <= _NEGLIGIBLE * both(_EPISTEMIC[name])).all()):
+            why = "one member, none to disagree" if members == 1 else "the members agree"
+            notes[name] = f"uninformative: 0 on every example ({why}){blind}"
+        elif bool((values == values[0]).all()):
+            notes[name] = f"uninformative: {float(values[0]):.3g} on every example{blind}"
+        elif metrics["auroc"] < 0.5:
+            notes[name] = "below chance: higher on the test set than on the OOD set"
+    return notes

@@ -75,9 +75,10 @@ def reliability_diagram(
 ) -> Path:
     """Accuracy against confidence in ``bins`` equal-width bins, ECE printed; saved as PNG.
 
-    Each bin shows its accuracy (bar) and the gap to its mean confidence: red where the model is
-    overconfident (confidence above accuracy), green where it is underconfident. Under it, how
-    many test examples fall in each bin. The ECE, NLL and accuracy of the predictions are printed
+    Each bin shows its accuracy (the bar, to its full height), its mean confidence (a black tick)
+    and the gap between them, hatched: red above the bar where the model is overconfident
+    (confidence above accuracy), green inside it where it is underconfident. Under it, how many
+    test examples fall in each bin. The ECE, NLL and accuracy of the predictions are printed
     on the panel (ECE with the same 15-bin estimator as the report).
 
     Args:
@@ -105,11 +106,30 @@ def reliability_diagram(
     )  # fmt: skip
     for column, (name, p, y) in enumerate(panels):
         _reliability_panel(axes[0, column], axes[1, column], p, y, bins, name, show_ylabel=column == 0)
-    handles, names = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="upper center", ncol=2, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.95))
+    fig.legend(handles=_reliability_legend(), loc="upper center", ncol=2, fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 0.95))  # fmt: skip
     fig.suptitle(title or "reliability diagram", fontsize=11, y=0.995)
-    fig.subplots_adjust(top=0.8)
+    fig.subplots_adjust(top=0.76)  # room for the three rows of the legend
     return _save(fig, path)
+
+
+def _reliability_legend() -> list[Any]:
+    # drawn from proxies, not from a panel: a panel without (say) underconfident bins has no such bar to show
+    from matplotlib.colors import to_rgba
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    with _pyplot().rc_context({"hatch.linewidth": 1.6}):  # as the bars: green lines over the blue accuracy
+        under = Patch(facecolor=to_rgba(_MODEL, 0.85), edgecolor=_UNDER, hatch="\\\\", linewidth=1.2,
+                      label="gap: underconfident (confidence below accuracy)")  # fmt: skip
+    return [
+        Patch(facecolor=_MODEL, alpha=0.85, edgecolor="white", label="accuracy"),
+        Patch(facecolor=_OVER, alpha=0.45, edgecolor=_OVER, hatch="///",
+              label="gap: overconfident (confidence above accuracy)"),  # fmt: skip
+        Line2D([], [], color="black", linewidth=1.4, label="mean confidence"),
+        under,
+        Line2D([], [], color="0.3", linestyle="--", linewidth=1, label="perfect calibration"),
+    ]
 
 
 def _reliability_panel(
@@ -120,19 +140,23 @@ def _reliability_panel(
     centers = [(b + 0.5) * width for b in range(bins)]
     filled = [b for b in range(bins) if counts[b]]
 
-    # the blue bar stops where accuracy and confidence agree; the coloured part above it is the gap:
-    # red up to the confidence where the model claims more than it delivers, green up to the accuracy
-    # where it delivers more than it claims
-    ax.bar([centers[b] for b in filled], [min(accs[b], confs[b]) for b in filled], width=width, color=_MODEL,
-           alpha=0.85, edgecolor="white", linewidth=0.6, label="accuracy", zorder=2)  # fmt: skip
-    for over, color, text in ((True, _OVER, "gap: overconfident (confidence > accuracy)"),
-                              (False, _UNDER, "gap: underconfident (accuracy > confidence)")):  # fmt: skip
-        chosen = [b for b in filled if (confs[b] > accs[b]) == over and confs[b] != accs[b]]
-        ax.bar(
-            [centers[b] for b in chosen], [abs(confs[b] - accs[b]) for b in chosen],
-            bottom=[min(accs[b], confs[b]) for b in chosen], width=width, color=color, alpha=0.45 if over else 0.7,
-            edgecolor=color, linewidth=1.0, hatch="///" if over else None, label=text, zorder=3,
-        )  # fmt: skip
+    # the blue bar is the bin's accuracy, always to its full height; the hatched part is the gap to the bin's
+    # mean confidence (the black tick): above the bar (red) where the model claims more than it delivers,
+    # inside it (green) where it delivers more than it claims
+    ax.bar([centers[b] for b in filled], [accs[b] for b in filled], width=width, color=_MODEL, alpha=0.85,
+           edgecolor="white", linewidth=0.6, label="accuracy", zorder=2)  # fmt: skip
+    over = [b for b in filled if confs[b] > accs[b]]
+    ax.bar([centers[b] for b in over], [confs[b] - accs[b] for b in over], bottom=[accs[b] for b in over],
+           width=width, color=_OVER, alpha=0.45, edgecolor=_OVER, linewidth=1.0, hatch="///",
+           label="gap: overconfident (confidence above accuracy)", zorder=3)  # fmt: skip
+    under = [b for b in filled if confs[b] < accs[b]]  # hatched lines only: the blue bar shows through
+    with _pyplot().rc_context({"hatch.linewidth": 1.6}):
+        ax.bar([centers[b] for b in under], [accs[b] - confs[b] for b in under], bottom=[confs[b] for b in under],
+               width=width, facecolor="none", edgecolor=_UNDER, linewidth=1.2, hatch="\\\\",
+               label="gap: underconfident (confidence below accuracy)", zorder=3)  # fmt: skip
+    ax.hlines([confs[b] for b in filled], [centers[b] - 0.4 * width for b in filled],
+              [centers[b] + 0.4 * width for b in filled], color="black", linewidth=1.4, label="mean confidence",
+              zorder=5)  # fmt: skip
     ax.plot([0, 1], [0, 1], linestyle="--", color="0.3", linewidth=1, label="perfect calibration", zorder=4)
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
@@ -153,11 +177,13 @@ def _reliability_panel(
     top = max(counts) or 1
     for b in filled:
         hist.text(centers[b], counts[b] + 0.03 * top, str(counts[b]), ha="center", va="bottom", fontsize=6.5)
-    hist.set_ylim(0, top * 1.35)
+    # the counts stay in the lower 60% of the panel (the tallest bar at 1 / 1.9, its count just above):
+    # the band above holds the panel's label, clear of every count
+    hist.set_ylim(0, top * 1.9)
     hist.set_xlim(0, 1)
     hist.set_xlabel("confidence (top-1 probability)")
     hist.grid(axis="y", alpha=0.25)
-    hist.text(0.02, 0.9, f"examples per bin ({len(labels)} in all)", transform=hist.transAxes, fontsize=7, va="top")
+    hist.text(0.02, 0.96, f"examples per bin ({len(labels)} in all)", transform=hist.transAxes, fontsize=7, va="top")
     if show_ylabel:
         hist.set_ylabel("examples")
     else:
@@ -346,17 +372,7 @@ def markdown_report(
         )  # fmt: skip
     lines.append("")
     if clean.get("ood"):
-        lines += ["## Out-of-distribution detection", ""]
-        lines.append(
-            "How well each uncertainty score tells the OOD set from the test set (higher score = more OOD): AUROC and "
-            "AUPR (OOD as positive) higher is better, FPR@95 (false positives at 95% of OOD detected) lower."
-        )
-        lines.append("")
-        ood_rows = []
-        for name, metrics, _ in rows:
-            for score, values in (metrics.get("ood") or {}).items():
-                ood_rows.append([name, score, values["auroc"], values["aupr_out"], values["fpr95"]])
-        lines += _table(["model", "score", "AUROC", "AUPR", "FPR@95"], ood_rows)
+        lines += _ood_section(rows, settings or {})
     if corrupted is not None:
         types, severities = len(corrupted["results"]), len(corrupted["by_severity"])
         sets = f"{types} corruption types x {severities} severities ({types * severities} corrupted test sets)"
@@ -402,6 +418,41 @@ def markdown_report(
         lines += ["## Evaluation settings", ""]
         lines += _table(["setting", "value"], [[k, _option(v)] for k, v in settings.items()])
     return "\n".join(lines)
+
+
+def _ood_section(rows: Sequence[tuple[str, Mapping[str, Any], Any]], settings: Mapping[str, Any]) -> list[str]:
+    # what the OOD set is, what each model's scores were computed from, and a note where a score says little
+    lines = ["## Out-of-distribution detection", ""]
+    if settings.get("ood_set"):
+        lines += [f"OOD set `{settings.get('ood')}`: {settings['ood_set']}.", ""]
+    lines += [
+        "How well each uncertainty score tells the OOD set from the test set (higher score = more OOD): AUROC and "
+        "AUPR (OOD as positive) higher is better, FPR@95 (false positives at 95% of OOD detected) lower. "
+        "An AUROC of 0.5 is chance.",
+        "",
+    ]
+    scored = [(name, metrics["ood_scoring"], metrics) for name, metrics, _ in rows if metrics.get("ood_scoring")]
+    for name, scoring, metrics in scored:
+        k, m = scoring["components"], scoring["samples"]
+        if scoring["sampled"]:
+            spread = metrics.get("diversity", {}).get("kl")
+            means = f" (mean pairwise KL {spread:.4f})" if spread is not None and metrics.get("samples") == 1 else ""
+            source = (
+                f"K x M = {k} x {m} = {k * m} members drawn from the posterior, as bayesify.uncertainty draws them: "
+                "the epistemic score (the members' disagreement) needs the posterior's spread"
+            )
+            if metrics.get("samples") == 1:
+                source += f"; the {k} posterior-mean members of the tables above barely differ{means}"
+        else:
+            source = "its one network: with no members to disagree, its epistemic score is 0 everywhere"
+        lines.append(f"- {name}: scores from {source}." if len(rows) > 1 else f"Scores from {source}.")
+    lines += [""] if scored else []
+    table = []
+    for name, metrics, _ in rows:
+        notes = (metrics.get("ood_scoring") or {}).get("notes", {})
+        for score, values in (metrics.get("ood") or {}).items():
+            table.append([name, score, values["auroc"], values["aupr_out"], values["fpr95"], notes.get(score, "")])
+    return lines + _table(["model", "score", "AUROC", "AUPR", "FPR@95", "note"], table)
 
 
 def _corruption_tables(rows: Sequence[tuple[str, Mapping[str, Any], Mapping[str, Any] | None]]) -> list[str]:

@@ -29,12 +29,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from bayesify.evaluation.corruptions import SEVERITIES, corrupt_images, parse_corruptions, parse_severities
-from bayesify.evaluation.evaluator import collect_members, compare_corruptions
+from bayesify.evaluation.evaluator import collect_members, compare_corruptions, ood_detection
 from bayesify.evaluation.metrics import member_log_probs_from_logits, mixture_log_probs, task_metrics
-from bayesify.evaluation.ood import ood_metrics_per_score
 from bayesify.evaluation.report import markdown_report, reliability_diagram, severity_plot, write_json
 from bayesify.tasks import Binary, Classification, Task
-from bayesify.uncertainty import members_uncertainty
 
 if TYPE_CHECKING:
     from bayesify.training import TrainConfig
@@ -177,7 +175,7 @@ def evaluate_run(
         test = Subset(test, range(min(max_examples, len(test))))
     counts = [_samples(r, samples) for r in runs]
 
-    ood_set = None if ood is None else _ood_set(ood, run, test, data_dir)
+    ood_set, ood_description = (None, None) if ood is None else _ood_set(ood, run, test, data_dir)
     clean = [_evaluate_clean(r, test, m, batch_size, device, ood_set) for r, m in zip(runs, counts)]
     corrupted: list[dict[str, Any] | None] = [None] * len(runs)
     if names is not None:
@@ -196,6 +194,7 @@ def evaluate_run(
         "device": str(device),
         "checkpoint_step": run.step,
         "ood": ood,
+        "ood_set": ood_description,
     }
     files = _write_plots(runs, clean, corrupted)
     results: dict[str, Any] = {
@@ -222,10 +221,10 @@ def evaluate_run(
         results["corrupted"],
         title=f"{run.config.model} on {run.config.data}, {run.kind} (step {run.step})",
         images={_CAPTIONS[name]: Path(path).name for name, path in files.items()},
-        config=results["config"],
+        config=_shown_config(run),
         settings=settings,
         label=run.label,
-        baseline=results["baseline"],
+        baseline=None if baseline is None else {**results["baseline"], "config": _shown_config(runs[0])},
     )
     from bayesify.training.run import EVALUATION, REPORT  # the run directory's file names, spelled once
 
@@ -236,20 +235,52 @@ def evaluate_run(
     return results
 
 
-def _ood_set(spec: str, run: LoadedRun, test: Dataset, data_dir: str | os.PathLike | None) -> Dataset:
-    """The out-of-distribution set ``spec`` names (see :func:`evaluate_run`), shaped as the test inputs."""
+def _shown_config(run: LoadedRun) -> dict[str, Any]:
+    """The run's configuration for the report, an unset scale shown as the value it resolved to and why."""
+    from bayesify.inspection import rank1_layers
+    from bayesify.layers import Rank1Layer
+
+    config = run.config.to_dict()
+    layers = [layer for _, layer in rank1_layers(run.model)]
+    if run.config.deterministic or not layers:
+        return config
+    resolved = layers[0].rank1_config  # every layer of a model shares one prior (convert resolves it once)
+    if run.config.prior_std is None:
+        depth = sum(isinstance(layer, Rank1Layer) for layer in layers)
+        config["prior_std"] = f"{resolved.prior_std:.3g} (unset: min(0.3, 0.4 / sqrt(L)) for L = {depth} rank-1 layers)"
+    if run.config.init_std is None:
+        if run.config.init_dropout is not None:
+            why = f"sqrt(p / (1 - p)) of init_dropout p = {run.config.init_dropout:g}"
+        elif str(run.config.posterior) == "cauchy":
+            why = "sqrt(p / (1 - p)) of p = 1e-6 for a Cauchy posterior"
+        else:
+            why = "the prior's scale, so the posterior starts at the prior"
+        config["init_std"] = f"{resolved.initial_std:.3g} (unset: {why})"
+    return config
+
+
+def _ood_set(spec: str, run: LoadedRun, test: Dataset, data_dir: str | os.PathLike | None) -> tuple[Dataset, str]:
+    """The out-of-distribution set ``spec`` names (see :func:`evaluate_run`), shaped as the test inputs,
+    and what it is, in words (for the report)."""
     from bayesify.evaluation.corruptions import CORRUPTIONS
     from bayesify.zoo.data import InMemoryDataset, data_names, load_data
 
     inputs = torch.stack([test[i][0] for i in range(len(test))])
     labels = torch.zeros(len(inputs), dtype=torch.long)  # OOD targets are never read
     name, _, severity = spec.partition(":")
+    shape = " x ".join(map(str, inputs.shape[1:]))
     if name == "noise":
         generator = torch.Generator().manual_seed(0)
-        return InMemoryDataset(torch.rand(inputs.shape, generator=generator), labels)
+        noise = torch.rand(inputs.shape, generator=generator)
+        return InMemoryDataset(noise, labels), (
+            f"{len(inputs)} inputs of uniform noise in [0, 1] (seed 0), each {shape} as the test inputs and "
+            "normalised as they are: nothing like the training data"
+        )
     if name in CORRUPTIONS:
         level = int(severity or 5)
-        return InMemoryDataset(corrupt_images(inputs, name, level, seed=0), labels)
+        return InMemoryDataset(corrupt_images(inputs, name, level, seed=0), labels), (
+            f"the {len(inputs)} test inputs under the corruption {name} at severity {level} of 5"
+        )
     try:
         other = load_data(name, data_dir, seed=0)
     except ValueError:
@@ -262,7 +293,7 @@ def _ood_set(spec: str, run: LoadedRun, test: Dataset, data_dir: str | os.PathLi
             f"ood={spec!r} has inputs of shape {tuple(other.input_shape)} but {run.config.data} has "
             f"{tuple(run.data.input_shape)}; pick a data set of the same shape, a corruption or 'noise'."
         )
-    return other.test
+    return other.test, f"the test split of {name} ({len(other.test)} inputs, each {shape})"
 
 
 def _check_settings(*, samples: int | None, batch_size: int, max_examples: int | None, min_size: int) -> None:
@@ -305,19 +336,17 @@ def _evaluate_clean(
             run.model, DataLoader(test, batch_size=batch_size), samples=samples, device=device,
             transform=run.data.normalize,
         )  # fmt: skip
-        ood_outputs = None
-        if ood is not None:
-            ood_outputs, _ = collect_members(
-                run.model, DataLoader(ood, batch_size=batch_size), samples=samples, device=device,
-                transform=run.data.normalize,
+        detection = None
+        if ood is not None:  # scored from the sampled predictive (see ood_detection)
+            detection = ood_detection(
+                run.model, run.task, DataLoader(test, batch_size=batch_size), DataLoader(ood, batch_size=batch_size),
+                samples=samples, device=device, transform=run.data.normalize, outputs=outputs,
             )  # fmt: skip
     components = 1 if run.config.deterministic else run.config.components
     metrics = task_metrics(run.task, outputs, targets, components=components)
     metrics.update(components=components, samples=samples)
-    if ood_outputs is not None:
-        metrics["ood"] = ood_metrics_per_score(
-            members_uncertainty(run.task, outputs), members_uncertainty(run.task, ood_outputs)
-        )
+    if detection is not None:
+        metrics["ood"], metrics["ood_scoring"] = detection
     probs = None
     if isinstance(run.task, Classification) and outputs.dim() == 3:  # a reliability diagram of classes
         probs = mixture_log_probs(outputs.log_softmax(-1)).exp()

@@ -48,14 +48,14 @@ def row_positions(batch_sizes: Sequence[int], device: torch.device) -> Tensor:
 def _row_sum(values: Tensor, pos: Tensor, batch: int, steps: int) -> Tensor:
     """Sum ``values [N, F]`` over the time steps of each batch position: ``[batch, F]``."""
     if values.shape[0] == batch * steps:  # uniform layout: a plain reduction
-        return values.view(steps, batch, -1).sum(0)
+        return values.view(steps, batch, values.shape[-1]).sum(0)
     return values.new_zeros(batch, values.shape[1]).index_add_(0, pos, values)
 
 
 def _with_rows(values: Tensor, per_position: Tensor, pos: Tensor, batch: int, steps: int, add: bool) -> Tensor:
     """``values [N, F]`` plus / times ``per_position [batch, F]`` spread to every row."""
     if values.shape[0] == batch * steps:  # uniform layout: broadcast, no gathered copy
-        grid = values.view(steps, batch, -1)
+        grid = values.view(steps, batch, values.shape[-1])
         return (grid + per_position if add else grid * per_position).view(values.shape)
     spread = per_position.index_select(0, pos)
     return values + spread if add else values * spread

@@ -332,7 +332,7 @@ class Rank1MultiheadAttention(Rank1Layer):
                 if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
                     attn_mask = attn_mask.unsqueeze(0)
                 else:
-                    attn_mask = attn_mask.view(bsz, heads, -1, src_len)
+                    attn_mask = attn_mask.view(bsz, heads, attn_mask.shape[-2], src_len)
             q = q.view(bsz, heads, tgt_len, head_dim)
             k = k.view(bsz, heads, src_len, head_dim)
             v = v.view(bsz, heads, src_len, head_dim)

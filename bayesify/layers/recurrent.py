@@ -184,7 +184,7 @@ class _Rank1Recurrent(Rank1Layer):
             return v if pos is None else v.index_select(0, pos)
 
         # uniform layout: [steps, B, F], batch at axis 1; packed: [N, F] rows, factors gathered per row
-        rows = x.view(steps, batch, -1) if pos is None else x
+        rows = x.view(steps, batch, x.shape[-1]) if pos is None else x
         offset: Tensor | None = params.get(f"bias_ih{tag}")
         if offset is not None:
             if mode != "GRU":  # GRU keeps b_hh on the recurrent side (inside r o (...))
@@ -203,7 +203,7 @@ class _Rank1Recurrent(Rank1Layer):
             batch_axis=1 if pos is None else 0,
             channel_axis=-1,
         )
-        return out.reshape(x.shape[0], -1)
+        return out.reshape(x.shape[0], out.shape[-1])
 
     def _rank1_scan(
         self,
@@ -365,7 +365,7 @@ class Rank1RNN(_Rank1Recurrent):
         if packed:
             out_packed = PackedSequence(layer_x, batch_sizes_t, sorted_indices, unsorted_indices)
             return out_packed, ((hidden, cell) if lstm else hidden)
-        out = layer_x.view(steps, batch, -1)
+        out = layer_x.view(steps, batch, layer_x.shape[-1])
         if unbatched:
             out, hidden = out.squeeze(1), hidden.squeeze(1)
             cell = cell.squeeze(1) if cell is not None else None

@@ -103,3 +103,34 @@ def test_corrupted_results_are_those_of_the_evaluator_before_the_speed_up(images
     plain_alone = evaluate_corruptions(plain, images, corruptions=names, progress=False, **settings)
     together = compare_corruptions([(net, 2), (plain, 1)], images, corruptions=names, progress=False, **settings)
     assert together == [alone, plain_alone]
+
+
+def test_ood_scores_come_from_the_sampled_predictive(images):
+    """At conversion (init="preserve") the K posterior means are the same network: their mutual information is 0
+    everywhere and tells nothing. The OOD scores are those of bayesify.uncertainty's K x 4 sampled members."""
+    torch.manual_seed(0)
+    net = _net()
+    ood = InMemoryDataset(3 * torch.rand(20, 1, 8, 8), torch.zeros(20, dtype=torch.long))
+    results = evaluate(net, images, ood=ood)  # samples=1: the metrics at the posterior means
+    assert results["samples"] == 1
+    scoring = results["ood_scoring"]
+    assert (scoring["components"], scoring["samples"], scoring["sampled"]) == (2, 4, True)
+    assert "mutual_information" not in scoring["notes"]
+    assert results["ood"]["mutual_information"]["auroc"] != 0.5  # 0.5 exactly: the means' MI, 0 everywhere
+
+    # point-mass posteriors (BatchEnsemble) at conversion: every member is the network, sampled or not
+    ensemble = bayesify.convert(nn.Sequential(nn.Flatten(), nn.Linear(64, 3)), components=2, posterior="delta",
+                                task="classification")  # fmt: skip
+    notes = evaluate(ensemble, images, ood=ood)["ood_scoring"]["notes"]
+    assert notes["mutual_information"] == (
+        "uninformative: 0 on every example (the members agree), so its AUROC tells nothing about them"
+    )
+
+
+def test_ood_scores_of_a_plain_model_say_its_mutual_information_is_uninformative(images):
+    ood = InMemoryDataset(3 * torch.rand(20, 1, 8, 8), torch.zeros(20, dtype=torch.long))
+    results = evaluate(_net(convert=False), images, ood=ood, task="classification")
+    assert results["ood_scoring"]["sampled"] is False and results["ood"]["mutual_information"]["auroc"] == 0.5
+    assert results["ood_scoring"]["notes"]["mutual_information"] == (
+        "uninformative: 0 on every example (one member, none to disagree), so its AUROC tells nothing about them"
+    )

@@ -91,3 +91,27 @@ def test_bad_requests_name_the_fix(runs, tmp_path):
         evaluate_run(runs["rank1"], corruptions="fog", severities=(7,))
     with pytest.raises(ValueError, match="no checkpoint at"):
         evaluate_run(tmp_path / "missing")
+
+
+def test_ood_noise_is_scored_from_the_sampled_predictive_and_explained(runs):
+    results = evaluate_run(runs["rank1"], baseline=runs["det"], ood="noise", samples=1, max_examples=24)
+    assert results["settings"]["ood_set"].startswith("24 inputs of uniform noise in [0, 1] (seed 0), each 1 x 8 x 8")
+    scoring = results["clean"]["ood_scoring"]
+    assert (scoring["components"], scoring["samples"], scoring["sampled"]) == (2, 4, True)
+    assert results["clean"]["samples"] == 1  # the metrics themselves stay at the posterior means
+    notes = results["baseline"]["clean"]["ood_scoring"]["notes"]
+    assert notes["mutual_information"].startswith("uninformative: 0 on every example (one member")
+    report = Path(results["files"]["report"]).read_text()
+    assert "OOD set `noise`: 24 inputs of uniform noise" in report
+    assert "- rank-1 K=2 (rank1): scores from K x M = 2 x 4 = 8 members drawn from the posterior" in report
+
+
+def test_the_configuration_shows_the_prior_std_the_depth_rule_chose(runs):
+    from bayesify.inspection import rank1_layers
+
+    run = open_run(runs["rank1"], device="cpu")
+    depth = len(list(rank1_layers(run.model)))
+    prior_std = min(0.3, 0.4 / depth**0.5)
+    report = Path(evaluate_run(runs["rank1"], max_examples=8)["files"]["report"]).read_text()
+    assert f"| prior_std | {prior_std:.3g} (unset: min(0.3, 0.4 / sqrt(L)) for L = {depth} rank-1 layers) |" in report
+    assert f"| init_std | {prior_std:.3g} (unset: the prior's scale, so the posterior starts at the prior) |" in report
