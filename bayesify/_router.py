@@ -79,8 +79,8 @@ class ForwardState:
     fixed_components: tuple[int, ...] | None = None  # the blocks' components when the route fixes them (not sampled)
     # the factors and offsets drawn for this pass, for the whole model at once, in the root's pre-hook (outside any
     # checkpointed region, so a recomputation in the backward pass takes the very same values): every table,
-    # {(group, kind): [m, total]} (kind "blocks": a value per block; "rows": per row), and the tables taken
-    # out of them as the layers take them, {(group, kind, like): {slot: values}}
+    # {(group number, kind): [m, total]} (kind "blocks": a value per block; "rows": per row), and the tables
+    # taken out of them as the layers take them, {(group number, kind, like): {slot: values}}
     full: dict = field(default_factory=dict)
     draws: dict = field(default_factory=dict)
 
@@ -112,7 +112,7 @@ class Router:
     active: bool = False  # inside the root's forward
     handles: list[RemovableHandle] = field(default_factory=list)
     groups: list = field(default_factory=list)  # the model's tables (variational/store.py), drawn ahead of each pass
-    # how the layers take the draws, by signature: {signature: {(kind, like): {group: {slot, ...}}}}, learnt from
+    # how the layers take the draws, by signature: {signature: {(kind, like): {group number: {slot, ...}}}}, learnt from
     # their requests (a table first asked for is sliced out for its layer alone, and taken ahead from then on)
     needs: dict = field(default_factory=dict)
 
@@ -128,7 +128,9 @@ class Router:
         block ("blocks") and per row ("rows"), so that the draws and the random numbers they use do not depend
         on which layers ask for which (:meth:`~bayesify.variational.store.TableGroup.draw_all`). Then take
         the tables out as the layers took them in passes like this one (columns and shapes, ``state.draws``)."""
-        scales: dict = {}  # group: its posterior scale, shared by both kinds of draw
+        # every dict here is keyed by the groups' numbers (group.key), not the groups: older dynamo (torch 2.9)
+        # breaks the graph on a user object as a dict key
+        scales: dict = {}  # group number: its posterior scale, shared by both kinds of draw
         for kind, components in (("blocks", state.block_components), ("rows", state.rows)):
             if components is None:
                 continue
@@ -137,29 +139,31 @@ class Router:
             for group in self.groups:
                 scale = None
                 if state.spec.noise and group.sampled:
-                    scale = scales[group] = scales[group] if group in scales else group.scale()
-                state.full[(group, kind)] = group.draw_all(components, state.spec.noise, scale)
+                    if group.key not in scales:
+                        scales[group.key] = group.scale()
+                    scale = scales[group.key]
+                state.full[(group.key, kind)] = group.draw_all(components, state.spec.noise, scale)
         if torch.compiler.is_compiling():
             return  # a compiled graph fuses the slices of its own: learning the takes would only recompile it
         for (kind, like), groups in self.needs.get(state.signature, {}).items():
-            for group, slots in groups.items():
-                full = state.full.get((group, kind))
+            for key, slots in groups.items():
+                full = state.full.get((key, kind))
                 if full is not None:
-                    state.draws[(group, kind, like)] = group.take(full, sorted(slots), like)
+                    state.draws[(key, kind, like)] = self.groups[key].take(full, sorted(slots), like)
 
     def drawn(self, state: ForwardState, group: Any, slot: int, kind: str, like: tuple | None = None) -> Tensor | None:
         """Table ``slot`` of ``group`` as drawn for ``state`` (``kind``: "blocks" or "rows"; ``like``: the
         shape to take it in, see :meth:`~bayesify.variational.store.TableGroup.take`, if it was taken so
         ahead), ``[m, features]`` otherwise; None for a group the router does not draw."""
-        values = state.draws.get((group, kind, like))
+        values = state.draws.get((group.key, kind, like))
         if values is not None and slot in values:
             return values[slot]
-        full = state.full.get((group, kind))
-        if full is None:
-            return None
+        full = state.full.get((group.key, kind))
+        if full is None or group.key >= len(self.groups) or self.groups[group.key] is not group:
+            return None  # not one of this router's groups: the layer draws its own
         if not torch.compiler.is_compiling():
             shapes = self.needs.setdefault(state.signature, {})
-            shapes.setdefault((kind, like), {}).setdefault(group, set()).add(slot)
+            shapes.setdefault((kind, like), {}).setdefault(group.key, set()).add(slot)
         start = group.starts[slot]
         return full[:, start : start + group.sizes[slot]]
 

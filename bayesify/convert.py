@@ -299,6 +299,8 @@ def convert(
     layers = [layer for _, layer in rank1_layers(model)]
     store.pack(model, layers)
     router.groups = list(dict.fromkeys(slot[0] for layer in layers for slot in store.slots_of(layer)))
+    for key, group in enumerate(router.groups):
+        group.key = key
     _weight_decay.install(model)  # timm's optimizer factory: no weight decay on the rank-1 parameters
     return model
 

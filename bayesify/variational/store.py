@@ -80,6 +80,7 @@ class TableGroup:
         if rho is not None:
             owner.register_parameter(self.names["rho"], nn.Parameter(rho))
         self.sizes = tuple(sizes)
+        self.key = -1  # its number among the groups its model's router draws (set by convert)
         starts, total = [], 0
         for size in self.sizes:
             starts.append(total)
