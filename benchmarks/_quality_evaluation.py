@@ -78,10 +78,12 @@ def evaluate_members(predict: Callable[[Tensor], Tensor], task: Task, components
     return result
 
 
-def ood_evaluation(method: Any, model: nn.Module, task: Task, clean: dict[str, object]) -> dict[str, float]:
+def ood_evaluation(
+    method: Any, model: nn.Module, task: Task, clean: dict[str, object], predict: Callable[[Tensor], Tensor]
+) -> dict[str, float]:
     """AUROC / AUPR / FPR@95 of every uncertainty score, ``task.x_ood`` against the test set (see the module doc).
 
-    ``clean`` is the method's clean test metrics: where ``evaluate`` sees the same members (no
+    ``predict``: inputs -> the method's members (as for :func:`evaluate_members`). ``clean`` is the method's clean test metrics: where ``evaluate`` sees the same members (no
     posterior noise), its NLL must match them, or this raises rather than report another model's numbers.
     """
     from bayesify.evaluation import evaluate
@@ -102,9 +104,8 @@ def ood_evaluation(method: Any, model: nn.Module, task: Task, clean: dict[str, o
             )
         table = result["ood"]
     else:
-        members = lambda x: method.members(model, x, task)  # noqa: E731
-        inside = members_uncertainty("classification", members(task.x_test))
-        outside = members_uncertainty("classification", members(task.x_ood))
+        inside = members_uncertainty("classification", predict(task.x_test))
+        outside = members_uncertainty("classification", predict(task.x_ood))
         table = ood_metrics_per_score(inside, outside)
     flat = {f"ood_{score}_{metric}": float(value) for score, row in table.items() for metric, value in row.items()}
     flat["ood_via_evaluate"] = 1.0 if via is not None else 0.0

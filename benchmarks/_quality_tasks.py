@@ -251,6 +251,7 @@ class Scale:
     data_dir: Path | None = None  # Fashion-MNIST and MNIST in torchvision's layout (make data)
     fixed_epochs: int | None = None  # --epochs: the Fashion-MNIST tasks' epochs (before ``epochs`` scales them)
     shift_examples: int | None = None  # --shift-examples: shifted sets from the first N test examples
+    max_ood: int | None = None  # --max-ood: the first N MNIST test images as the OOD set
 
 
 @functools.lru_cache(maxsize=None)
@@ -359,7 +360,7 @@ def _fashion(name: str, scale: Scale, resnet: bool, plain: bool) -> Task:
     # --max-train: the first N of the carved training split (train_test_split shuffles: a random subset)
     x_tr, y_tr = _subset(x_tr, y_tr, scale.max_train)
     x_te, y_te = _subset(fashion.test.inputs, fashion.test.labels, scale.max_test)
-    x_ood, _ = _subset(mnist.test.inputs, mnist.test.labels, scale.max_test)
+    x_ood, _ = _subset(mnist.test.inputs, mnist.test.labels, scale.max_ood or scale.max_test)
     kwargs = {} if scale.image_corruptions is None else {"corruptions": scale.image_corruptions}
     shifts = lambda x: image_shifts(x, cache_dir=scale.cache_dir, **kwargs)  # noqa: E731
     epochs = max(1, round((scale.fixed_epochs or FASHION_EPOCHS) * scale.epochs))
