@@ -175,3 +175,37 @@ def test_fashion_mnist_tasks_report_ood_and_the_plain_loop(tmp_path: Path) -> No
     assert "## fashion-mnist-plain" in markdown and "Out-of-distribution detection, mnist test" in markdown
     assert "| `rank1`* |" in markdown and "| `mc-dropout` |" in markdown
     assert "OOD AUROC (entropy)" in done.stdout
+
+
+def test_plain_loop_loss_is_the_readme_recipe_and_equals_the_loop_formula() -> None:
+    """The plain loop's rank-1 loss is F.cross_entropy + bayesify.kl_loss(step, warmup); same value as the tuned loop's."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    import bayesify
+    from benchmarks._quality_methods import Rank1
+    from benchmarks._quality_tasks import CLASSIFICATION, Task
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+    make = lambda p: torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))  # noqa: E731
+    tuned = Task("t", CLASSIFICATION, make, x, y, x, y, x, y, lambda v: [], epochs=1, batch_size=8, lr_grid=(1e-3,) * 4,
+                 description="")  # fmt: skip
+    plain = dataclasses.replace(tuned, loop="plain")
+    method = Rank1()
+    net = method.build(plain, None, 0)
+    assert bayesify.is_converted(net)
+    with torch.no_grad():  # move the posterior off the prior: at conversion the KL is ~0 and would test nothing
+        for p in bayesify.rank1_parameters(net):
+            p.add_(0.3 * torch.randn(p.shape))
+    assert float(bayesify.kl_divergence(net)) / 16 > 0.05
+    for step, warmup in ((0, 6), (3, 6), (10, 6)):
+        torch.manual_seed(1)
+        got = method.loss(net, x, y, plain, kl_weight=min(1.0, (step + 1) / warmup), step=step, warmup=warmup)
+        torch.manual_seed(1)
+        recipe = F.cross_entropy(net(x), y) + bayesify.kl_loss(net, 16, step=step, warmup_steps=warmup)
+        torch.manual_seed(1)
+        formula = method.loss(net, x, y, tuned, kl_weight=min(1.0, (step + 1) / warmup))
+        assert torch.equal(got, recipe)
+        assert torch.allclose(got, formula, rtol=1e-6, atol=1e-7)
