@@ -179,7 +179,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     regression = result["kind"] == "regression"
     panels = [("nll", "test NLL"), ("coverage", "|90% coverage - 0.9|") if regression else ("ece", "test ECE")]
     if _has_ood(result):
-        panels.append(("ood_entropy_auroc", f"OOD AUROC, entropy ({result.get('ood')} vs test; higher is better)"))
+        panels.append(("ood_entropy_auroc", f"OOD AUROC, entropy ({result.get('ood')}; higher: better)"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
     for ax, (metric, label) in zip(axes, panels):
         for key, row in table.items():
