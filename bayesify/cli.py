@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="convert a model to a rank-1 BNN and train it", argument_default=None)
     _add_config_flags(t)
     t.add_argument("--preset", choices=sorted(PRESETS), help="the paper's hyperparameters for this benchmark")
-    t.add_argument("--download", action="store_true", default=False, help="let torchvision download CIFAR")
+    t.add_argument("--download", action="store_true", default=False, help="let torchvision download CIFAR / (Fashion-)MNIST")
     t.add_argument("--nprocs", type=int, help="with --device xla: one process per XLA device")
 
     e = sub.add_parser("evaluate", help="evaluate the checkpoint in --out; write report.md and plots")

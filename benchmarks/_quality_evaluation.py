@@ -6,21 +6,29 @@ diversity of the components where a method has several), and cNLL / cA / cECE / 
 same metrics averaged over every (corruption, severity) set. Regression: the Gaussian-mixture
 NLL, RMSE and 90% interval coverage of ``benchmarks/_regression_metrics.py``, and their
 averages over the shifted sets (cNLL, cRMSE, cCoverage).
+
+Out-of-distribution detection (the Fashion-MNIST tasks: MNIST test images against the test set):
+:func:`ood_evaluation` runs ``bayesify.evaluation.evaluate(model, test, ood=...)``, the library's own
+evaluator, for every method whose members it produces (a plain network, temperature scaling as a
+network that divides its logits, the converted ones); for MC dropout, the deep ensemble and
+bayesian-torch (several stochastic passes or networks) it applies the functions ``evaluate`` uses
+(``members_uncertainty`` + ``ood_metrics_per_score``) to their members. ``ood_via_evaluate`` says which.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from typing import Callable
+from typing import Any, Callable
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from bayesify.evaluation.metrics import compute_metrics, member_log_probs_from_logits
 from benchmarks._quality_tasks import REGRESSION, Task
 from benchmarks._regression_metrics import gaussian_mixture_metrics
 
-__all__ = ["evaluate_members"]
+__all__ = ["evaluate_members", "ood_evaluation"]
 
 # metrics averaged over the shifted sets, by task kind: (clean name, shifted name)
 SHIFTED = {
@@ -58,7 +66,7 @@ def evaluate_members(predict: Callable[[Tensor], Tensor], task: Task, components
     result: dict[str, object] = dict(_metrics(predict(task.x_test), task.y_test, task, components))
     per_set: list[tuple[int, dict[str, float]]] = []
     for _, severity, x in task.shifts():
-        per_set.append((severity, _metrics(predict(x), task.y_test, task, 1)))
+        per_set.append((severity, _metrics(predict(x), task.y_shift, task, 1)))
     pairs = SHIFTED["classification" if task.kind != REGRESSION else REGRESSION]
     for clean, shifted in pairs:
         result[shifted] = statistics.fmean(m[clean] for _, m in per_set)
@@ -68,3 +76,37 @@ def evaluate_members(predict: Callable[[Tensor], Tensor], task: Task, components
         for s in severities
     }
     return result
+
+
+def ood_evaluation(
+    method: Any, model: nn.Module, task: Task, clean: dict[str, object], predict: Callable[[Tensor], Tensor]
+) -> dict[str, float]:
+    """AUROC / AUPR / FPR@95 of every uncertainty score, ``task.x_ood`` against the test set (see the module doc).
+
+    ``predict``: inputs -> the method's members (as for :func:`evaluate_members`). ``clean`` is the method's clean test metrics: where ``evaluate`` sees the same members (no
+    posterior noise), its NLL must match them, or this raises rather than report another model's numbers.
+    """
+    from bayesify.evaluation import evaluate
+    from bayesify.evaluation.ood import ood_metrics_per_score
+    from bayesify.uncertainty import members_uncertainty
+    from bayesify.zoo.data import InMemoryDataset
+
+    via = method.evaluator_model(model)
+    if via is not None:
+        module, samples = via
+        test = InMemoryDataset(task.x_test, task.y_test)
+        ood = InMemoryDataset(task.x_ood, torch.zeros(len(task.x_ood), dtype=torch.long))
+        result = evaluate(module, test, samples=samples, ood=ood, task="classification", batch_size=500, members=False)
+        if samples == 1 and not math.isclose(float(result["nll"]), float(clean["nll"]), rel_tol=1e-4, abs_tol=1e-6):
+            raise RuntimeError(
+                f"{method.key}: evaluate() gives test NLL {result['nll']:.6f}, the benchmark's members "
+                f"{clean['nll']:.6f}: the evaluator does not see the method's predictive"
+            )
+        table = result["ood"]
+    else:
+        inside = members_uncertainty("classification", predict(task.x_test))
+        outside = members_uncertainty("classification", predict(task.x_ood))
+        table = ood_metrics_per_score(inside, outside)
+    flat = {f"ood_{score}_{metric}": float(value) for score, row in table.items() for metric, value in row.items()}
+    flat["ood_via_evaluate"] = 1.0 if via is not None else 0.0
+    return flat

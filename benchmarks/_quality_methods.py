@@ -92,8 +92,16 @@ class Method:
         """Post-hoc fitting on the validation split (temperature scaling)."""
 
     # -- training and prediction --------------------------------------------------------------
-    def loss(self, part: nn.Module, x: Tensor, y: Tensor, task: Task, kl_weight: float) -> Tensor:
+    def loss(
+        self, part: nn.Module, x: Tensor, y: Tensor, task: Task, kl_weight: float, step: int = 0, warmup: int = 0
+    ) -> Tensor:
+        """The training loss of one batch; ``kl_weight`` is the loop's warm-up weight at ``step`` of ``warmup``."""
         return likelihood_loss(part(x), y, task)
+
+    def evaluator_model(self, model: nn.Module) -> tuple[nn.Module, int] | None:
+        """``(module, samples)`` whose ``bayesify.evaluation.evaluate`` gives this method's members, or None
+        where it cannot (several stochastic passes or networks: MC dropout, ensembles, bayesian-torch)."""
+        return model, 1
 
     def members(self, model: nn.Module, x: Tensor, task: Task) -> Tensor:
         model.eval()
@@ -148,6 +156,20 @@ class Temperature(Method):
     def num_parameters(self, model: nn.Module) -> int:
         return super().num_parameters(model) + 1
 
+    def evaluator_model(self, model: nn.Module) -> tuple[nn.Module, int] | None:
+        return _Tempered(model, model.benchmark_log_temperature), 1
+
+
+class _Tempered(nn.Module):
+    """The network's logits divided by the fitted temperature: a plain classifier for ``evaluate``."""
+
+    def __init__(self, net: nn.Module, log_t: Tensor) -> None:
+        super().__init__()
+        self.net, self.log_t = net, log_t
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x) / self.log_t.exp()
+
 
 @dataclass
 class MCDropout(Method):
@@ -166,6 +188,9 @@ class MCDropout(Method):
                 m.train()  # dropout stays on at evaluation
         with torch.no_grad():
             return _batched(lambda v: torch.stack([model(v) for _ in range(EVAL_SAMPLES)]), x)
+
+    def evaluator_model(self, model: nn.Module) -> tuple[nn.Module, int] | None:
+        return None
 
 
 @dataclass
@@ -195,7 +220,10 @@ class Rank1(Method):
 
     def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
         net = copy.deepcopy(task.pretrained[seed]) if self.from_pretrained else task.make_net(0.0)
-        bayesify.convert(net, **self.convert_kwargs)
+        kwargs = dict(self.convert_kwargs)
+        if task.loop == "plain":  # the README's drop-in recipe: a custom network says what its output is
+            kwargs.setdefault("task", "classification")
+        bayesify.convert(net, **kwargs)
         if self.factors_only:
             for p in net.parameters():
                 p.requires_grad_(False)
@@ -212,7 +240,12 @@ class Rank1(Method):
         ]
         return [g for g in groups if g["params"]]
 
-    def loss(self, part: nn.Module, x: Tensor, y: Tensor, task: Task, kl_weight: float) -> Tensor:
+    def loss(
+        self, part: nn.Module, x: Tensor, y: Tensor, task: Task, kl_weight: float, step: int = 0, warmup: int = 0
+    ) -> Tensor:
+        if task.loop == "plain" and self.route == "sample" and self.kl_scale == 1.0 and not self.kl_mean_over_components:
+            # the README's two lines: the plain loss + bayesify.kl_loss with its own warm-up over `warmup` steps
+            return F.cross_entropy(part(x), y) + bayesify.kl_loss(part, task.num_train, step=step, warmup_steps=warmup)
         if self.route == "tile":
             k = bayesify.num_components(part)
             with bayesify.mode(part, route="tile"):
@@ -235,6 +268,12 @@ class Rank1(Method):
 
     def components(self, model: nn.Module) -> int:
         return bayesify.num_components(model)
+
+    def evaluator_model(self, model: nn.Module) -> tuple[nn.Module, int] | None:
+        if self.eval_noise is False:
+            return None  # evaluate() samples when samples > 1 and uses the model's default otherwise
+        sampled = self.eval_noise and self.convert_kwargs.get("posterior") != "delta"
+        return model, (self.samples if sampled else 1)
 
 
 @dataclass
@@ -261,6 +300,9 @@ class DeepEnsemble(Method):
     def components(self, model: nn.Module) -> int:
         return len(model)
 
+    def evaluator_model(self, model: nn.Module) -> tuple[nn.Module, int] | None:
+        return None
+
 
 @dataclass
 class BayesianTorch(Method):
@@ -286,7 +328,9 @@ class BayesianTorch(Method):
         dnn_to_bnn(net, prior)
         return net
 
-    def loss(self, part: nn.Module, x: Tensor, y: Tensor, task: Task, kl_weight: float) -> Tensor:
+    def loss(
+        self, part: nn.Module, x: Tensor, y: Tensor, task: Task, kl_weight: float, step: int = 0, warmup: int = 0
+    ) -> Tensor:
         from bayesian_torch.models.dnn_to_bnn import get_kl_loss
 
         return likelihood_loss(part(x), y, task) + kl_weight * get_kl_loss(part) / task.num_train
@@ -295,6 +339,9 @@ class BayesianTorch(Method):
         model.eval()
         with torch.no_grad():
             return _batched(lambda v: torch.stack([model(v) for _ in range(EVAL_SAMPLES)]), x)
+
+    def evaluator_model(self, model: nn.Module) -> tuple[nn.Module, int] | None:
+        return None
 
 
 @dataclass

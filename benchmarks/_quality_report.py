@@ -19,6 +19,9 @@ CLASSIFICATION_COLUMNS = (
     ("nll", "NLL"), ("accuracy", "acc"), ("ece", "ECE"), ("brier", "Brier"),
     ("c_nll", "cNLL"), ("c_accuracy", "cA"), ("c_ece", "cECE"),
 )  # fmt: skip
+AURC_COLUMN = (("aurc", "AURC"),)  # selective prediction, shown where the runs have it
+OOD_SCORES = (("max_probability", "max prob."), ("entropy", "entropy"), ("mutual_information", "MI"))
+OOD_METRICS = (("auroc", "AUROC"), ("aupr_out", "AUPR"), ("fpr95", "FPR@95"))
 BINARY_COLUMNS = (("auc_pr", "AUC-PR"), ("auc_roc", "AUC-ROC"))
 REGRESSION_COLUMNS = (
     ("nll", "NLL"), ("rmse", "RMSE"), ("coverage", "90% cov."), ("width", "90% width"),
@@ -76,7 +79,34 @@ def _columns(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     if result["kind"] == "regression":
         return REGRESSION_COLUMNS
     binary = any("auc_pr" in r for m in result["methods"].values() for r in m["runs"])
-    return CLASSIFICATION_COLUMNS + (BINARY_COLUMNS if binary else ())
+    aurc = all("aurc" in r for m in result["methods"].values() for r in m["runs"])
+    return CLASSIFICATION_COLUMNS + (AURC_COLUMN if aurc else ()) + (BINARY_COLUMNS if binary else ())
+
+
+def _has_ood(result: dict[str, Any]) -> bool:
+    return any("ood_entropy_auroc" in r for m in result["methods"].values() for r in m["runs"])
+
+
+def ood_markdown(result: dict[str, Any]) -> list[str]:
+    """The out-of-distribution table: AUROC / AUPR (OOD positive) / FPR@95 of each score, mean +- std over seeds."""
+    table = aggregate(result)
+    header = [f"{metric} {score}" for _, score in OOD_SCORES for _, metric in OOD_METRICS]
+    lines = [
+        "",
+        f"Out-of-distribution detection, {result.get('ood')} test ({result.get('num_ood')} images) against the "
+        f"test set: AUROC, AUPR with OOD as positive (higher is better), FPR at 95% TPR (lower is better), "
+        "for max probability, predictive entropy and mutual information (MI: 0.5 for one member). "
+        "`*`: through `bayesify.evaluation.evaluate(..., ood=...)`; the others: its functions on the method's members.",
+        "",
+        "| method | " + " | ".join(header) + " |",
+        "|---" * (1 + len(header)) + "|",
+    ]
+    for key, method in result["methods"].items():
+        row = table[key]
+        cells = [_cell(row, f"ood_{score}_{metric}", None) for score, _ in OOD_SCORES for metric, _ in OOD_METRICS]
+        star = "*" if row.get("ood_via_evaluate", (0.0, 0.0))[0] == 1.0 else ""
+        lines.append(f"| `{key}`{star} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def task_markdown(result: dict[str, Any]) -> str:
@@ -90,7 +120,10 @@ def task_markdown(result: dict[str, Any]) -> str:
         "",
         f"{result['description']}. Train / val / test: {result['num_train']} / {result['num_val']} / "
         f"{result['num_test']}; {result['epochs']} epochs, batch {result['batch_size']}; "
-        f"{result['shifted_sets']} shifted test sets; {seeds} seeds, mean +- std; "
+        f"{result['shifted_sets']} shifted test sets"
+        + (f" of {result['shift_examples']} images" if result.get("shift_examples", result["num_test"]) != result["num_test"] else "")
+        + (f"; {result['loop']} loop" if result.get("loop") else "")
+        + f"; {seeds} seeds, mean +- std; "
         f"percentages: change against `{base_key}`; costs: ratios to `{base_key}` of the same seed.",
         "",
         "| method | " + " | ".join(label for _, label in columns + COST_COLUMNS) + " |",
@@ -101,7 +134,11 @@ def task_markdown(result: dict[str, Any]) -> str:
         cells = [_cell(row, k, table[base_key] if key != base_key else None) for k, _ in columns]
         cells += [_number(row[k][0]) for k, _ in COST_COLUMNS]
         lines.append(f"| {method['label']} (`{key}`) | " + " | ".join(cells) + " |")
-    lines += ["", "Tuned on the validation split (learning rate, and the method's own knob):", ""]
+    if _has_ood(result):
+        lines += ood_markdown(result)
+    plain = result.get("loop") == "plain"
+    lines += ["", "Settings (plain loop: fixed, not tuned):" if plain else
+              "Tuned on the validation split (learning rate, and the method's own knob):", ""]  # fmt: skip
     for key, method in result["methods"].items():
         config = method["config"]
         if config.get("lr") is None:
@@ -131,7 +168,8 @@ def machine() -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    """NLL and ECE (regression: |90% coverage - 0.9|) against the training-time ratio, one point per method."""
+    """NLL and ECE (regression: |90% coverage - 0.9|), and OOD AUROC (predictive entropy) where measured,
+    against the training-time ratio, one point per method."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,11 +177,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     table = aggregate(result)
     regression = result["kind"] == "regression"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, metric, label in (
-        (axes[0], "nll", "test NLL"),
-        (axes[1], "coverage" if regression else "ece", "|90% coverage - 0.9|" if regression else "test ECE"),
-    ):
+    panels = [("nll", "test NLL"), ("coverage", "|90% coverage - 0.9|") if regression else ("ece", "test ECE")]
+    if _has_ood(result):
+        panels.append(("ood_entropy_auroc", f"OOD AUROC, entropy ({result.get('ood')}; higher: better)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
+    for ax, (metric, label) in zip(axes, panels):
         for key, row in table.items():
             x, y = row["train_x"][0], row[metric][0]
             if regression and metric == "coverage":

@@ -13,6 +13,13 @@ trained on the rest. The test set is touched only by the final evaluation.
 | ``diabetes`` | sklearn regression (247 / 62 / 133), x and y standardised | MLP 64-64, (mean, log variance) | 3 feature corruptions x 5 |
 | ``digits-finetune`` | digits: pre-train on half of train, fine-tune on the other half | the digits CNN | as ``digits`` |
 | ``digits-resnet`` | digits; not in the default list (the depth check of ``rank1_defaults.py``) | stem + 6 residual blocks with BatchNorm: 14 rank-1 layers | as ``digits`` |
+| ``fashion-mnist`` | Fashion-MNIST 28x28 (55000 / 5000 / 10000; ``--max-train`` subsamples) | CNN: conv 16, pool, conv 32, pool, fc 128 | ImageNet-C corruptions x 5 (``--corruptions``, ``--shift-examples``) |
+| ``fashion-mnist-resnet`` | Fashion-MNIST | ResNet-8 style: stem 16 + pool, 3 residual stages (16, 32, 64; BatchNorm) | as ``fashion-mnist`` |
+| ``*-plain`` | the two above in the *plain* loop: Adam 1e-3 constant, no tuning, the README's recipe | as above | as above |
+
+The Fashion-MNIST tasks are not in the default list (they need ``make data``; ``--data-dir``).
+They add out-of-distribution detection: the MNIST test set (10000 images) against the
+Fashion-MNIST test set, scored by ``bayesify.evaluation.evaluate(..., ood=...)``.
 
 MC dropout is the one method whose network differs: ``make_net(p)`` puts ``nn.Dropout(p)`` after
 every hidden activation (p = 0 gives ``nn.Identity``, so every other method runs exactly the
@@ -74,11 +81,24 @@ class Task:
         return len(self.y_train)
 
     max_shifts: int | None = None  # --quick: evenly spaced among the (corruption, severity) sets
+    shift_examples: int | None = None  # the shifted sets are made of the first N test examples (None: all)
+    # "tuned": the benchmark's loop (cosine decay, tuned learning rate); "plain": what a new user writes
+    # (Adam at PLAIN_LR, constant, no tuning, bayesify.kl_loss warmed up over 2/3 of the steps)
+    loop: str = "tuned"
+    methods: tuple[str, ...] | None = None  # the methods run by default (None: all of the pool)
+    x_ood: Tensor | None = None  # out-of-distribution test inputs (the Fashion-MNIST tasks: MNIST test)
+    ood_name: str | None = None
+
+    @property
+    def y_shift(self) -> Tensor:
+        """The labels of the shifted sets."""
+        return self.y_test if self.shift_examples is None else self.y_test[: self.shift_examples]
 
     def shifts(self) -> list[ShiftedSet]:
         """The shifted test sets, made once per run (the same tensors for every method and seed)."""
         if self._shifts is None:
-            sets = self.make_shifts(self.x_test)
+            clean = self.x_test if self.shift_examples is None else self.x_test[: self.shift_examples]
+            sets = self.make_shifts(clean)
             if self.max_shifts is not None and len(sets) > self.max_shifts:
                 sets = sets[:: math.ceil(len(sets) / self.max_shifts)]
             self._shifts = sets
@@ -156,6 +176,44 @@ class SignalGRU(nn.Module):
         return self.head(self.drop(steps[:, -1]))
 
 
+def _fashion_cnn(mean: float, std: float, p: float) -> nn.Module:
+    return nn.Sequential(
+        Standardize(mean, std),
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), _drop(p),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), _drop(p),
+        nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(), _drop(p), nn.Linear(128, 10),
+    )  # fmt: skip
+
+
+class _DownBlock(nn.Module):
+    """A residual block that changes width and halves the size: 3x3 stride 2, 3x3; 1x1 stride-2 shortcut."""
+
+    def __init__(self, inputs: int, outputs: int, p: float) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(inputs, outputs, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(outputs), nn.ReLU(),
+            nn.Conv2d(outputs, outputs, 3, padding=1, bias=False), nn.BatchNorm2d(outputs),
+        )  # fmt: skip
+        self.shortcut = nn.Sequential(nn.Conv2d(inputs, outputs, 1, stride=2, bias=False), nn.BatchNorm2d(outputs))
+        self.drop = _drop(p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(torch.relu(self.shortcut(x) + self.body(x)))
+
+
+def _fashion_resnet(mean: float, std: float, p: float) -> nn.Module:
+    """ResNet-8 style for 28x28: stem conv 16 + max-pool (14x14), blocks at 16 (14x14), 32 (7x7), 64 (4x4), fc.
+
+    9 convolutions (2 of them 1x1 shortcuts) with BatchNorm and a linear head: 10 layers to convert.
+    """
+    return nn.Sequential(
+        Standardize(mean, std),
+        nn.Conv2d(1, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        _Block(16, p), _DownBlock(16, 32, p), _DownBlock(32, 64, p),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+    )  # fmt: skip
+
+
 def _mlp(features: int, outputs: int, p: float) -> nn.Module:
     return nn.Sequential(
         nn.Linear(features, 64), nn.ReLU(), _drop(p), nn.Linear(64, 64), nn.ReLU(), _drop(p), nn.Linear(64, outputs)
@@ -165,7 +223,7 @@ def _mlp(features: int, outputs: int, p: float) -> nn.Module:
 # ---- splits --------------------------------------------------------------------------------------
 
 
-def _carve(x: Tensor, y: Tensor, stratify: bool, fraction: float = 0.2) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _carve(x: Tensor, y: Tensor, stratify: bool, fraction: float | int = 0.2) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Split a training set into (train, val) with a fixed seed."""
     from sklearn.model_selection import train_test_split
 
@@ -182,7 +240,7 @@ def _subset(x: Tensor, y: Tensor, limit: int | None) -> tuple[Tensor, Tensor]:
 
 @dataclass(frozen=True)
 class Scale:
-    """What ``--quick`` shrinks: epochs, set sizes and the image corruptions used."""
+    """What ``--quick`` shrinks: epochs, set sizes and the image corruptions used; and where data is."""
 
     epochs: float = 1.0
     max_train: int | None = None
@@ -190,6 +248,10 @@ class Scale:
     image_corruptions: tuple[str, ...] | None = None
     max_shifts: int | None = None
     cache_dir: Path | None = None
+    data_dir: Path | None = None  # Fashion-MNIST and MNIST in torchvision's layout (make data)
+    fixed_epochs: int | None = None  # --epochs: the Fashion-MNIST tasks' epochs (before ``epochs`` scales them)
+    shift_examples: int | None = None  # --shift-examples: shifted sets from the first N test examples
+    max_ood: int | None = None  # --max-ood: the first N MNIST test images as the OOD set
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,6 +333,55 @@ def _table(name: str, scale: Scale, regression: bool) -> Task:
     )  # fmt: skip
 
 
+# the issue's methods for the Fashion-MNIST tasks (the variants of the sampling study stay on the small tasks)
+FASHION_METHODS = (
+    "deterministic", "temperature", "mc-dropout", "batchensemble", "rank1", "rank1-sampled", "rank1-tiled",
+    "rank1-cauchy", "deep-ensemble", "bayesian-torch",
+)  # fmt: skip
+FASHION_VAL = 5000  # examples carved from the 60000 for validation (tuning, temperature)
+FASHION_EPOCHS = 10
+
+
+@functools.lru_cache(maxsize=None)
+def _torchvision_set(name: str, data_dir: str) -> object:
+    from bayesify.zoo.data import load_data
+
+    return load_data(name, data_dir)
+
+
+def _fashion(name: str, scale: Scale, resnet: bool, plain: bool) -> Task:
+    if scale.data_dir is None:
+        raise ValueError(f"task {name!r} needs --data-dir (Fashion-MNIST and MNIST; `make data` puts them in ./data)")
+    fashion = _torchvision_set("fashion-mnist", str(scale.data_dir))
+    mnist = _torchvision_set("mnist", str(scale.data_dir))
+    x_all, y_all = fashion.train.inputs, fashion.train.labels
+    x_tr, y_tr, x_val, y_val = _carve(x_all, y_all, stratify=True, fraction=min(FASHION_VAL, len(y_all) // 5))
+    mean, std = float(x_tr.mean()), float(x_tr.std())
+    # --max-train: the first N of the carved training split (train_test_split shuffles: a random subset)
+    x_tr, y_tr = _subset(x_tr, y_tr, scale.max_train)
+    x_te, y_te = _subset(fashion.test.inputs, fashion.test.labels, scale.max_test)
+    x_ood, _ = _subset(mnist.test.inputs, mnist.test.labels, scale.max_ood or scale.max_test)
+    kwargs = {} if scale.image_corruptions is None else {"corruptions": scale.image_corruptions}
+    shifts = lambda x: image_shifts(x, cache_dir=scale.cache_dir, **kwargs)  # noqa: E731
+    epochs = max(1, round((scale.fixed_epochs or FASHION_EPOCHS) * scale.epochs))
+    make = _fashion_resnet if resnet else _fashion_cnn
+    corruptions = len(scale.image_corruptions) if scale.image_corruptions is not None else 15
+    task = Task(
+        name, CLASSIFICATION, lambda p: make(mean, std, p), x_tr, y_tr, x_val, y_val, x_te, y_te, shifts,
+        epochs=epochs, batch_size=128, lr_grid=(5e-4, 1e-3, 2e-3, 4e-3),
+        description=(
+            "Fashion-MNIST 28x28, " + ("ResNet-8 style (BatchNorm)" if resnet else "small CNN")
+            + f", {corruptions} ImageNet-C corruptions x 5 severities"
+            + (f" on the first {scale.shift_examples} test images" if scale.shift_examples else "")
+            + "; OOD: MNIST test vs Fashion-MNIST test"
+            + ("; plain loop (Adam 1e-3 constant, no tuning, bayesify.kl_loss warm-up)" if plain else "")
+        ),
+        loop="plain" if plain else "tuned", methods=FASHION_METHODS, x_ood=x_ood, ood_name="mnist",
+        shift_examples=scale.shift_examples,
+    )  # fmt: skip
+    return task
+
+
 TASKS: dict[str, Callable[[Scale], Task]] = {
     "digits": lambda s: _digits_like("digits", s, finetune=False),
     "mnist1d-conv": lambda s: _mnist1d("mnist1d-conv", s, recurrent=False),
@@ -280,6 +391,11 @@ TASKS: dict[str, Callable[[Scale], Task]] = {
     "digits-finetune": lambda s: _digits_like("digits-finetune", s, finetune=True),
     # not in quality.py's default list: the depth check of the defaults study (14 rank-1 layers)
     "digits-resnet": lambda s: _digits_like("digits-resnet", s, finetune=False, deep=True),
+    # need the files (make data; --data-dir): not in the default list
+    "fashion-mnist": lambda s: _fashion("fashion-mnist", s, resnet=False, plain=False),
+    "fashion-mnist-resnet": lambda s: _fashion("fashion-mnist-resnet", s, resnet=True, plain=False),
+    "fashion-mnist-plain": lambda s: _fashion("fashion-mnist-plain", s, resnet=False, plain=True),
+    "fashion-mnist-resnet-plain": lambda s: _fashion("fashion-mnist-resnet-plain", s, resnet=True, plain=True),
 }
 DEFAULT_TASKS = ("digits", "mnist1d-conv", "mnist1d-gru", "breast-cancer", "diabetes", "digits-finetune")
 
@@ -298,3 +414,10 @@ def build_task(name: str, scale: Scale) -> Task:
     task = TASKS[name](scale)
     task.max_shifts = scale.max_shifts
     return task
+
+
+def task_names(group: str) -> list[str]:
+    """``fashion-mnist-all``: the four Fashion-MNIST tasks; any other name: itself."""
+    if group == "fashion-mnist-all":
+        return ["fashion-mnist", "fashion-mnist-plain", "fashion-mnist-resnet", "fashion-mnist-resnet-plain"]
+    return [group]

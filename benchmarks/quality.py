@@ -6,6 +6,7 @@
     python benchmarks/quality.py --merge /tmp/a/quality.json /tmp/b/quality.json   # runs side by side -> one report
     python benchmarks/quality.py --seed-start 3 --seeds 2 --tuned benchmarks/results/quality.json --out /tmp/more
                                                        # two more seeds with the same settings; then --merge both
+    python benchmarks/quality.py --tasks fashion-mnist-all --data-dir data --seeds 3   # Fashion-MNIST (make data)
 
 Every method is trained by the one loop below (:func:`train`): Adam, minibatches in an order
 drawn from a generator seeded by the seed alone (so every method sees the same batches), the
@@ -18,7 +19,13 @@ each method gets the same number of training runs (``--budget``, default 4; tuni
 method without a knob of its own picks the learning rate from the task's 4-value grid; MC
 dropout spends its 4 runs on 2 learning rates (the grid's 2nd and 4th) x 2 dropout rates. With
 ``--budget 2``: the grid's 2nd and 4th learning rates, or the 3rd with the 2 dropout rates. The choice minimises the validation
-NLL of the method's own predictive. Temperature scaling and the deep ensemble are made of the
+NLL of the method's own predictive.
+
+The plain loop (the ``*-plain`` tasks): what a new user writes. Adam at a constant 1e-3, no
+tuning (MC dropout at its first rate, 0.1), the same batches; rank-1 is the README's drop-in
+recipe, ``convert(net, task="classification")`` and ``F.cross_entropy(net(x), y) +
+bayesify.kl_loss(net, N, step=step, warmup_steps=2 * steps // 3)``, evaluated at ``model.eval()``
+(the K posterior means, as the tuned loop's ``rank1``). Temperature scaling and the deep ensemble are made of the
 deterministic run (its learning rate; T is fitted on the validation split). ``--budget 1``
 skips tuning (every method at the grid's 3rd learning rate).
 
@@ -50,16 +57,18 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/quality.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bayesify.evaluation.metrics import member_log_probs_from_logits, negative_log_likelihood  # noqa: E402
-from benchmarks._quality_evaluation import evaluate_members  # noqa: E402
+from benchmarks._quality_evaluation import evaluate_members, ood_evaluation  # noqa: E402
 from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, likelihood_loss  # noqa: E402
 from benchmarks._quality_report import write_report  # noqa: E402
-from benchmarks._quality_tasks import DEFAULT_TASKS, REGRESSION, TASKS, Scale, Task, build_task  # noqa: E402
+from benchmarks._quality_tasks import DEFAULT_TASKS, REGRESSION, TASKS, Scale, Task, build_task, task_names  # noqa: E402
 from benchmarks._regression_metrics import gaussian_mixture_metrics  # noqa: E402
 
 KL_WARMUP = 2 / 3  # fraction of the steps over which the KL weight rises linearly from 0 to 1
 BUDGET = 4  # validation runs per method
 TUNING_SEED = 100
 DEFAULT_CACHE = Path.home() / ".cache" / "bayesify" / "quality"
+PLAIN_LR = 1e-3  # the plain loop's Adam learning rate (constant, untuned)
+DEFAULT_DATA = Path(__file__).resolve().parents[1] / "data"  # where `make data` puts Fashion-MNIST and MNIST
 
 
 def train(
@@ -68,16 +77,19 @@ def train(
     """The one training loop of the benchmark; returns the seconds it took.
 
     Adam; minibatches in an order drawn from ``torch.Generator().manual_seed(seed)`` (the same
-    for every method); cosine decay of the learning rate to 0 over all steps; the method's loss
-    with the KL weight ``min(1, step / (KL_WARMUP * steps))``.
+    for every method); cosine decay of the learning rate to 0 over all steps (the plain loop:
+    constant); the method's loss with the KL weight ``min(1, step / (KL_WARMUP * steps))`` (the
+    plain loop: ``bayesify.kl_loss`` warmed up over ``2 * steps // 3``).
     """
     groups = method.param_groups(part)
     optimizer = torch.optim.Adam([{"params": g["params"], "lr": lr * g["lr_scale"]} for g in groups])
     n, batch = len(y), task.batch_size
     steps = epochs * math.ceil(n / batch)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    plain = task.loop == "plain"
+    decay = (lambda s: 1.0) if plain else (lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, decay)
     order = torch.Generator().manual_seed(seed)
-    warmup = max(1, round(KL_WARMUP * steps))
+    warmup = max(1, 2 * steps // 3 if plain else round(KL_WARMUP * steps))
     part.train()
     step = 0
     start = time.perf_counter()
@@ -85,7 +97,9 @@ def train(
         permutation = torch.randperm(n, generator=order)
         for i in range(0, n, batch):
             index = permutation[i : i + batch]
-            loss = method.loss(part, x[index], y[index], task, kl_weight=min(1.0, (step + 1) / warmup))
+            loss = method.loss(
+                part, x[index], y[index], task, kl_weight=min(1.0, (step + 1) / warmup), step=step, warmup=warmup
+            )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -150,6 +164,8 @@ def tune(method: Method, task: Task, budget: int, trained_tuning: dict, log: Any
         return {"lr": None, "knob": None}
     if method.builds_on is not None:
         return dict(trained_tuning[method.builds_on]["config"])
+    if task.loop == "plain":  # no tuning: the constant learning rate, the method's first knob value
+        return {"lr": PLAIN_LR, "knob": method.knob_values[0] if method.knob else None}
     scores = []
     for config in configs:
         if len(configs) == 1:
@@ -196,25 +212,37 @@ def run_task(
             model, seconds = fit(method, task, configs[method.key], seed, trained, task.x_train, task.y_train)
             trained[method.key] = (model, seconds)
             t0 = time.perf_counter()
-            method.members(model, task.x_test, task)
+            clean = method.members(model, task.x_test, task)
             eval_seconds = time.perf_counter() - t0
-            metrics = evaluate_members(lambda v: method.members(model, v, task), task, method.components(model))
+
+            def predict(v: Tensor, model: nn.Module = model, method: Method = method, clean: Tensor = clean) -> Tensor:
+                # the clean test set's members once (the timed pass); every other set through the method
+                return clean if v is task.x_test else method.members(model, v, task)
+
+            metrics = evaluate_members(predict, task, method.components(model))
+            if task.x_ood is not None:
+                metrics.update(ood_evaluation(method, model, task, metrics, predict))
             record = {"seed": seed, "train_s": seconds, "eval_s": eval_seconds,
                       "params": method.num_parameters(model), **metrics}  # fmt: skip
             runs[method.key].append(record)
             extra = f" cNLL {metrics['c_nll']:.4f}"
+            if task.x_ood is not None:
+                extra += f" OOD AUROC (entropy) {metrics['ood_entropy_auroc']:.4f}"
             log(f"  {task.name:<16} seed {seed} {method.key:<16} NLL {metrics['nll']:.4f}{extra} train {seconds:.1f} s")
     return {
         "task": task.name, "kind": task.kind, "description": task.description, "epochs": task.epochs,
         "batch_size": task.batch_size, "lr_grid": list(task.lr_grid), "num_train": task.num_train,
         "num_val": len(task.y_val), "num_test": len(task.y_test), "shifted_sets": len(task.shifts()),
+        "shift_examples": len(task.y_shift), "loop": task.loop, "ood": task.ood_name,
+        "num_ood": None if task.x_ood is None else len(task.x_ood),
         "methods": {m.key: {"label": m.label, "config": configs[m.key], "runs": runs[m.key]} for m in methods},
     }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=list(TASKS))
+    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=[*TASKS, "fashion-mnist-all"],
+                        help="fashion-mnist-all: the CNN and the ResNet, each in the tuned and the plain loop")  # fmt: skip
     every = [m.key for m in METHODS + FINETUNE_METHODS]
     parser.add_argument("--methods", nargs="+", default=None, choices=every, help="default: all of a task's")
     parser.add_argument("--seeds", type=int, default=5, help="how many seeds: S .. S+N-1 (S: --seed-start)")
@@ -226,6 +254,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="corrupted image sets are kept here")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help=f"Fashion-MNIST / MNIST in torchvision's layout (default: $BAYESIFY_DATA_DIR or {DEFAULT_DATA})")
+    parser.add_argument("--max-train", type=int, help="Fashion-MNIST: train on the first N of the training split")
+    parser.add_argument("--epochs", type=int, help="Fashion-MNIST: epochs (default 10)")
+    parser.add_argument("--corruptions", help="Fashion-MNIST: comma-separated ImageNet-C corruptions (default: all 15)")
+    parser.add_argument("--max-ood", type=int, help="Fashion-MNIST: the first N MNIST test images as OOD (default: all)")
+    parser.add_argument("--shift-examples", type=int,
+                        help="Fashion-MNIST: make the shifted sets from the first N test images (default: all)")  # fmt: skip
     parser.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
                         help="one report from the quality.json files of runs over different tasks or seeds")  # fmt: skip
     args = parser.parse_args(argv)
@@ -235,13 +271,22 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.set_num_threads(args.threads)
 
+    import os
+
+    data_dir = args.data_dir or Path(os.environ.get("BAYESIFY_DATA_DIR") or DEFAULT_DATA)
+    corruptions = None if args.corruptions is None else tuple(c.strip() for c in args.corruptions.split(",") if c.strip())
     if args.quick:
         scale = Scale(
-            epochs=0.01, max_train=128, max_test=64, image_corruptions=("gaussian_noise", "brightness"), max_shifts=3
-        )
+            epochs=0.01, max_train=128, max_test=64, image_corruptions=("gaussian_noise", "brightness"), max_shifts=3,
+            data_dir=data_dir,
+        )  # fmt: skip
         seeds, budget = [0, 1], 1
     else:
-        scale, budget = Scale(cache_dir=args.cache_dir), args.budget
+        scale = Scale(
+            cache_dir=args.cache_dir, data_dir=data_dir, max_train=args.max_train, fixed_epochs=args.epochs,
+            image_corruptions=corruptions, shift_examples=args.shift_examples, max_ood=args.max_ood,
+        )  # fmt: skip
+        budget = args.budget
         seeds = list(range(args.seed_start, args.seed_start + args.seeds))
     tuned: dict[str, dict[str, Any]] = {}
     if args.tuned is not None:
@@ -252,10 +297,11 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     command = ("python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
     results = []
-    for name in args.tasks:
+    for name in [n for group in args.tasks for n in task_names(group)]:
         task = build_task(name, scale)
         pool = FINETUNE_METHODS if task.finetune else METHODS
-        chosen = [m for m in pool if args.methods is None or m.key in args.methods]
+        wanted = args.methods if args.methods is not None else task.methods
+        chosen = [m for m in pool if wanted is None or m.key in wanted]
         chosen = _with_dependencies(chosen, pool)
         if args.tuned is not None and name not in tuned:
             raise SystemExit(f"--tuned {args.tuned} has no task {name!r}; it has {sorted(tuned)}")

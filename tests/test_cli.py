@@ -81,7 +81,8 @@ def test_defaults_are_convert_s_and_pretrained_preserves_the_network():
     "argv, message",
     [
         (["train", "--model", "resnet1888", "--data", "digits"], "model='resnet1888' is not a built-in"),
-        (["train", "--model", "mlp", "--data", "mnist"], "data='mnist' is not a known data set"),
+        (["train", "--model", "mlp", "--data", "svhn"], "data='svhn' is not a known data set"),
+        (["train", "--model", "mlp", "--data", "fashion-mnist"], "needs --data-dir DIR"),
         (["train", "--model", "resnet18", "--data", "mnist1d"], "2-d image model but the data is signal data"),
         (["train", "--model", "mlp", "--data", "digits", "--batch-size", "5000"], "--batch-size 1257 or less"),
         (["train", "--model", "mlp"], "train needs --data"),
@@ -177,3 +178,22 @@ def test_weights_file_with_the_adapter_trains_resumes_and_refuses_other_groups(t
     assert cli.main([*run, "--max-steps", "6", "--no-adapter"]) == 2
     err = capsys.readouterr().err
     assert "does not fit this run's parameter groups (weights, no_decay, rank1_factors, rank1_other)" in err
+
+
+def test_fashion_mnist_from_data_dir_trains_and_evaluates_mnist_as_ood(tmp_path, capsys):
+    from tests.test_data import _tiny_set, _write
+
+    data = tmp_path / "data"
+    _write(data / "FashionMNIST" / "raw", _tiny_set(n_train=40, n_test=20, seed=3))
+    _write(data / "MNIST" / "raw", _tiny_set(n_train=10, n_test=30, seed=4))
+    argv = ["train", "--model", "cnn", "--data", "fashion-mnist", "--data-dir", str(data), "--batch-size", "16",
+            "--epochs", "1", "--no-progress", "--out", str(tmp_path / "run")]  # fmt: skip
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    # the OOD set is read from the run's --data-dir: MNIST test images against Fashion-MNIST test images
+    assert cli.main(["evaluate", "--out", str(tmp_path / "run"), "--ood", "mnist", "--no-progress"]) == 0
+    report = json.loads((tmp_path / "run" / "evaluation.json").read_text())
+    assert report["clean"]["components"] == 4
+    ood = report["clean"]["ood"]
+    assert set(ood) == {"max_probability", "entropy", "mutual_information"}
+    assert all(0.0 <= ood[s]["auroc"] <= 1.0 for s in ood)

@@ -13,6 +13,8 @@ C classes, and integer ``labels`` of shape ``[N]``. A deterministic model is the
   mixture's error rate ``1 - accuracy`` (the reference's ``average_pairwise_diversity(probs, K,
   error=1 - accuracy)``); plus the mean pairwise KL between components.
 * binary tasks: AUC-PR (average precision) and AUC-ROC of the positive class (torchmetrics).
+* selective prediction: the risk-coverage (accuracy-rejection) curve when the least confident
+  examples are rejected first, and its area AURC (Geifman and El-Yaniv, NeurIPS 2017; lower is better).
 
 References:
     Dusenberry et al., ICML 2020, Sec. 5 and the reference ``baselines/cifar/rank1_bnn.py``.
@@ -40,6 +42,7 @@ __all__ = [
     "member_metrics",
     "mixture_log_probs",
     "negative_log_likelihood",
+    "risk_coverage",
     "task_metrics",
 ]
 
@@ -175,6 +178,28 @@ def binary_auc(probs: Tensor, labels: Tensor) -> dict[str, float]:
     }
 
 
+def risk_coverage(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """The risk-coverage curve of selective prediction by top-1 confidence.
+
+    The examples are kept in order of decreasing confidence (ties in a stable order); at coverage
+    ``i / N`` the risk is the error rate of the ``i`` kept examples. ``risk.mean()`` is the AURC
+    (area under the risk-coverage curve); ``1 - risk`` is the accuracy-rejection curve.
+
+    Returns:
+        ``(coverage, risk)``, each ``[N]`` in float64.
+
+    Example:
+        >>> coverage, risk = risk_coverage(torch.tensor([[0.9, 0.1], [0.4, 0.6], [0.3, 0.7]]), torch.tensor([0, 0, 1]))
+        >>> risk.tolist()   # kept by confidence: 0.9 right, 0.7 right, 0.6 wrong
+        [0.0, 0.0, 0.3333333333333333]
+    """
+    confidence, predicted = probs.max(-1)
+    order = torch.argsort(confidence.double(), descending=True, stable=True)
+    errors = (predicted[order] != labels[order]).double().cumsum(0)
+    kept = torch.arange(1, len(labels) + 1, dtype=torch.float64, device=errors.device)
+    return kept / len(labels), errors / kept
+
+
 def compute_metrics(
     member_log_probs: Tensor, labels: Tensor, *, components: int = 1, bins: int = 15, members: bool = True
 ) -> dict[str, object]:
@@ -188,7 +213,7 @@ def compute_metrics(
         members: include per-component metrics and diversity.
 
     Returns:
-        ``nll, accuracy, ece, brier`` (+ ``auc_pr, auc_roc`` for two classes), and with
+        ``nll, accuracy, ece, brier, aurc`` (+ ``auc_pr, auc_roc`` for two classes), and with
         ``members`` and K > 1: ``members`` (a list of per-component dicts) and ``diversity``.
     """
     _check(member_log_probs, labels)
@@ -200,6 +225,7 @@ def compute_metrics(
         "accuracy": float(accuracy(probs, labels)),
         "ece": float(expected_calibration_error(probs, labels, bins)),
         "brier": float(brier_score(probs, labels)),
+        "aurc": float(risk_coverage(probs, labels)[1].mean()),
     }
     if probs.shape[-1] == 2:
         out.update(binary_auc(probs, labels))

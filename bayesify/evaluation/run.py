@@ -281,9 +281,13 @@ def _ood_set(spec: str, run: LoadedRun, test: Dataset, data_dir: str | os.PathLi
         return InMemoryDataset(corrupt_images(inputs, name, level, seed=0), labels), (
             f"the {len(inputs)} test inputs under the corruption {name} at severity {level} of 5"
         )
+    known = name.strip().lower().replace("_", "-") in data_names() or name.startswith("folder:")
     try:
-        other = load_data(name, data_dir, seed=0)
+        # the OOD set's files sit where the run's data set is, unless --data-dir says otherwise
+        other = load_data(name, data_dir or run.config.data_dir, seed=0)
     except ValueError:
+        if known:  # a data set by name whose files are missing: the loader's own message says what to do
+            raise
         raise ValueError(
             f"ood={spec!r} is not a data set ({', '.join(data_names())}), a corruption ({', '.join(CORRUPTIONS)}) "
             "with an optional :severity, or 'noise'."

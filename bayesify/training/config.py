@@ -46,8 +46,8 @@ class TrainConfig(Rank1Config):
 
     # what to train (names resolved by bayesify.zoo.models.create_model / bayesify.zoo.data.load_data)
     model: str = option("cnn", "built-in (cnn, cnn1d, mlp), timm or torchvision name, or package.module:factory")
-    data: str = option("digits", "digits, mnist1d, breast-cancer, cifar10, cifar100, or folder:PATH")
-    data_dir: str | None = option(None, "where torchvision data sets are (CIFAR)")
+    data: str = option("digits", "digits, mnist1d, breast-cancer, diabetes, fashion-mnist, mnist, cifar10, cifar100, or folder:PATH")
+    data_dir: str | None = option(None, "where torchvision data sets are ((Fashion-)MNIST: make data; CIFAR)")
     pretrained: bool = option(False, "start from the library's pretrained weights (offline: --weights FILE)")
     weights: str | None = option(None, "start from the weights in FILE (a torch.save'd state_dict or .safetensors)")
     adapter: bool = option(False, "train only the rank-1 parameters on the frozen (pretrained) network")

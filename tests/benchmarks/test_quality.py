@@ -133,3 +133,79 @@ def test_one_gaussian_interval_is_the_textbook_one() -> None:
     out = gaussian_mixture_metrics(members, torch.tensor([0.0, 1.0, -1.6, 1.7], dtype=torch.float64))
     assert out["width"] == pytest.approx(2 * 1.6448536269514722, rel=1e-9)
     assert out["coverage"] == pytest.approx(0.75)
+
+
+@pytest.mark.slow
+def test_fashion_mnist_tasks_report_ood_and_the_plain_loop(tmp_path: Path) -> None:
+    """The Fashion-MNIST tasks on tiny idx files in torchvision's layout (no downloaded data)."""
+    from tests.test_data import _tiny_set, _write
+
+    data = tmp_path / "data"
+    _write(data / "FashionMNIST" / "raw", _tiny_set(n_train=200, n_test=40, seed=5))
+    _write(data / "MNIST" / "raw", _tiny_set(n_train=10, n_test=30, seed=6))
+    out = tmp_path / "out"
+    methods = ["deterministic", "temperature", "mc-dropout", "rank1", "deep-ensemble"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", "--tasks", "fashion-mnist",
+         "fashion-mnist-plain", "--methods", *methods, "--data-dir", str(data), "--out", str(out)],
+        cwd=ROOT, check=True, timeout=600, capture_output=True, text=True,
+    )  # fmt: skip
+    report = json.loads((out / "quality.json").read_text())
+    assert [t["task"] for t in report["tasks"]] == ["fashion-mnist", "fashion-mnist-plain"]
+    tuned, plain = report["tasks"]
+    assert (tuned["loop"], plain["loop"]) == ("tuned", "plain")
+    assert tuned["num_train"] == 128 and tuned["num_val"] == 40 and tuned["num_test"] == 40 and tuned["num_ood"] == 30
+    # the plain loop is not tuned: Adam at 1e-3 for every method, MC dropout at its first rate
+    assert {k: (m["config"]["lr"], m["config"]["knob"]) for k, m in plain["methods"].items()} == {
+        "deterministic": (1e-3, None), "temperature": (1e-3, None), "mc-dropout": (1e-3, 0.1), "rank1": (1e-3, None),
+        "deep-ensemble": (1e-3, None),
+    }  # fmt: skip
+    for task in report["tasks"]:
+        for key, method in task["methods"].items():
+            for run in method["runs"]:
+                for score in ("max_probability", "entropy", "mutual_information"):
+                    for metric in ("auroc", "aupr_out", "fpr95"):
+                        assert 0.0 <= run[f"ood_{score}_{metric}"] <= 1.0, (key, score, metric)
+                assert 0.0 <= run["aurc"] <= 1.0
+                # the library's evaluator for the methods it can run; their members for the others
+                assert run["ood_via_evaluate"] == (0.0 if key in ("mc-dropout", "deep-ensemble") else 1.0), key
+            if key == "deterministic":  # one member: no disagreement, MI cannot rank anything
+                assert all(r["ood_mutual_information_auroc"] == 0.5 for r in method["runs"])
+    markdown = (out / "quality.md").read_text()
+    assert "## fashion-mnist-plain" in markdown and "Out-of-distribution detection, mnist test" in markdown
+    assert "| `rank1`* |" in markdown and "| `mc-dropout` |" in markdown
+    assert "OOD AUROC (entropy)" in done.stdout
+
+
+def test_plain_loop_loss_is_the_readme_recipe_and_equals_the_loop_formula() -> None:
+    """The plain loop's rank-1 loss is F.cross_entropy + bayesify.kl_loss(step, warmup); same value as the tuned loop's."""
+    import dataclasses
+
+    import torch.nn.functional as F
+
+    import bayesify
+    from benchmarks._quality_methods import Rank1
+    from benchmarks._quality_tasks import CLASSIFICATION, Task
+
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+    make = lambda p: torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))  # noqa: E731
+    tuned = Task("t", CLASSIFICATION, make, x, y, x, y, x, y, lambda v: [], epochs=1, batch_size=8, lr_grid=(1e-3,) * 4,
+                 description="")  # fmt: skip
+    plain = dataclasses.replace(tuned, loop="plain")
+    method = Rank1()
+    net = method.build(plain, None, 0)
+    assert bayesify.is_converted(net)
+    with torch.no_grad():  # move the posterior off the prior: at conversion the KL is ~0 and would test nothing
+        for p in bayesify.rank1_parameters(net):
+            p.add_(0.3 * torch.randn(p.shape))
+    assert float(bayesify.kl_divergence(net).detach()) / 16 > 0.05
+    for step, warmup in ((0, 6), (3, 6), (10, 6)):
+        torch.manual_seed(1)
+        got = method.loss(net, x, y, plain, kl_weight=min(1.0, (step + 1) / warmup), step=step, warmup=warmup)
+        torch.manual_seed(1)
+        recipe = F.cross_entropy(net(x), y) + bayesify.kl_loss(net, 16, step=step, warmup_steps=warmup)
+        torch.manual_seed(1)
+        formula = method.loss(net, x, y, tuned, kl_weight=min(1.0, (step + 1) / warmup))
+        assert torch.equal(got, recipe)
+        assert torch.allclose(got, formula, rtol=1e-6, atol=1e-7)

@@ -17,6 +17,7 @@ from bayesify.evaluation.metrics import (
     member_metrics,
     mixture_log_probs,
     negative_log_likelihood,
+    risk_coverage,
 )
 
 # 2 components x 1 sample, 3 examples, 2 classes: probabilities written out so every number can be checked by hand
@@ -106,3 +107,33 @@ def test_shape_errors_name_the_expected_layout():
         negative_log_likelihood(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="do not match"):
         negative_log_likelihood(torch.zeros(1, 3, 2), torch.zeros(4, dtype=torch.long))
+
+
+def test_risk_coverage_and_aurc_by_hand():
+    # confidences 0.9 (right), 0.8 (wrong), 0.6 (right), 0.5 (wrong): risks 0, 1/2, 1/3, 2/4
+    probs = torch.tensor([[0.6, 0.4], [0.1, 0.9], [0.2, 0.8], [0.5, 0.5]])
+    labels = torch.tensor([0, 1, 0, 1])
+    coverage, risk = risk_coverage(probs, labels)
+    assert coverage.tolist() == [0.25, 0.5, 0.75, 1.0]
+    assert risk.tolist() == pytest.approx([0.0, 0.5, 1 / 3, 0.5])
+    members = probs.log().unsqueeze(0)
+    assert compute_metrics(members, labels)["aurc"] == pytest.approx((0 + 0.5 + 1 / 3 + 0.5) / 4)
+
+
+def test_aurc_rewards_confidence_that_ranks_errors_last():
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 3, (200,), generator=generator)
+    wrong = torch.rand(200, generator=generator) < 0.3
+    predicted = torch.where(wrong, (labels + 1) % 3, labels)
+    # the same predictions, once confident where right and unsure where wrong, once the other way round
+    good = torch.where(wrong, 0.4, 0.9)
+    bad = torch.where(wrong, 0.9, 0.4)
+
+    def probs(confidence):
+        out = ((1 - confidence) / 2).unsqueeze(1).repeat(1, 3)
+        return out.scatter(1, predicted.unsqueeze(1), confidence.unsqueeze(1))
+
+    aurc_good = float(risk_coverage(probs(good), labels)[1].mean())
+    aurc_bad = float(risk_coverage(probs(bad), labels)[1].mean())
+    error = float(wrong.double().mean())
+    assert aurc_good < error < aurc_bad
