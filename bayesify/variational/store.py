@@ -5,7 +5,7 @@ Why: on a GPU a rank-1 training step is launch-bound, so its cost is the number 
 the tables kept per layer, every layer drew its own factors (gather, softplus, noise, clip: ~11 ops forward,
 ~17 backward), the KL concatenated them again, and the optimizer stepped 4-5 small Parameters per layer
 (ResNet-18: 480 -> 1,990 ops dispatched per step). Kept flat, each forward pass draws every factor of the
-model at once (:meth:`TableGroup.draw`: one gather, one softplus, one noise draw), each layer takes its
+model at once (:meth:`TableGroup.draw_all`: one gather, one softplus, one noise draw), each layer takes its
 columns as views, the KL is one pass over the store, and the optimizer sees two or three tensors.
 
 Layout: a :class:`TableGroup` holds tables of one kind that draw alike (factors of one posterior, prior and
@@ -17,7 +17,8 @@ per bias offset, is mapped onto them when it is loaded (:func:`load_store`).
 
 A layer's factor (:class:`~bayesify.variational.factor.Rank1Factor`) or bias offset is *packed* once its
 model's conversion ends (:func:`pack`): its own Parameters go, and reading ``factor.loc`` gives a view of
-its columns (writes through it change the store).
+its columns (writes through it change the store). A group refers to the root that holds its Parameters, so a
+converted layer deep-copied on its own takes a copy of its whole model with it (copy the model instead).
 """
 
 from __future__ import annotations
@@ -111,21 +112,11 @@ class TableGroup:
         assert flat is not None, f"{name} of a group without it"
         return flat[:, self.starts[slot] : self.starts[slot] + self.sizes[slot]]
 
-    def draw(
-        self, components: Tensor | None, noise: bool, scale: Tensor | None = None, slots: Sequence[int] | None = None
-    ) -> dict[int, Tensor]:
-        """One value of the tables per entry of ``components``: ``{slot: [len(components), features]}``.
-
-        ``components`` None means every component in order (``[K, features]``, no gather); ``noise``
-        samples a factor group from its posterior (offsets are never sampled); ``scale`` is the
-        posterior scale when the caller has it already (:meth:`scale`); ``slots`` (sorted) the tables
-        wanted, default all.
-        """
-        return self.take(self.draw_all(components, noise, scale), slots)
-
     def draw_all(self, components: Tensor | None, noise: bool, scale: Tensor | None = None) -> Tensor:
         """Every table's value per entry of ``components``, ``[len(components), total]``: one gather, one noise
-        draw and one clip for the whole group (see :meth:`draw`)."""
+        draw and one clip for the whole group. ``components`` None means every component in order (the
+        tables themselves, no gather); ``noise`` samples a factor group from its posterior (offsets are never
+        sampled); ``scale`` is the posterior scale when the caller has it already (:meth:`scale`)."""
         loc = self.loc
         value = loc if components is None else F.embedding(components, loc)
         if noise and self.sampled:
