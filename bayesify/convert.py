@@ -301,6 +301,7 @@ def convert(
     router.groups = list(dict.fromkeys(slot[0] for layer in layers for slot in store.slots_of(layer)))
     for key, group in enumerate(router.groups):
         group.key = key
+    router.needs = {}  # the layers' takes were learnt by group number: relearn them for the new numbering
     _weight_decay.install(model)  # timm's optimizer factory: no weight decay on the rank-1 parameters
     return model
 

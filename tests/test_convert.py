@@ -248,3 +248,24 @@ def test_num_components_of_a_model_its_parts_and_a_plain_model():
     assert bayesify.num_components(net) == 3
     assert bayesify.num_components(net[2]) == 3  # a part of a converted model
     assert bayesify.num_components(nn.Linear(2, 2)) == 1  # deterministic: one member
+
+
+def test_a_second_conversion_keeps_every_layer_on_its_own_columns_of_the_store() -> None:
+    """A second convert() adds groups to the store and renumbers the groups the router draws (by which the
+    layers' takes are learnt): every layer must still read its own columns (member k is still merge(k))."""
+    from tests._rank1 import perturb
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+    bayesify.convert(model, include="2", task="classification", components=2)
+    perturb(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for _ in range(2):  # learn how the layers take their draws
+        with bayesify.mode(model, component=1, noise=False):
+            model(x)
+    bayesify.convert(model, include=["0", "4"], task="classification", components=2)
+    perturb(model)
+    for _ in range(3):
+        with bayesify.mode(model, component=1, noise=False):
+            out = model(x)
+    torch.testing.assert_close(out, bayesify.merge(model, component=1)(x))
