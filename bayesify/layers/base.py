@@ -104,8 +104,9 @@ class Draw:
     blocks of one component each (when they run so; see :class:`bayesify.Sampling`).
 
     Inside a routed forward pass the values come from the draws the router made for the whole model
-    ahead of the pass (one per group of tables, :mod:`bayesify.variational.store`): taking them costs
-    no op. A table not drawn ahead is drawn here, for this layer alone, and ahead in the passes that follow.
+    ahead of the pass (one per group of tables, :mod:`bayesify.variational.store`): taking them costs no
+    op once the router has learnt how the layer takes them (the first pass slices them out). Outside a
+    routed pass, or for a table that is not in the model's store, the layer draws its own.
 
     Example:
         >>> draw = self.rank1_draw(x.shape[0], x.device)
