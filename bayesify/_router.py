@@ -131,8 +131,14 @@ class Router:
         # every dict here is keyed by the groups' numbers (group.key), not the groups: older dynamo (torch 2.9)
         # breaks the graph on a user object as a dict key
         scales: dict = {}  # group number: its posterior scale, shared by both kinds of draw
+        # a traced pass (torch.compile, torch.export; its batch may be symbolic) neither learns nor takes ahead
+        needs = {} if torch.compiler.is_compiling() else self.needs.get(state.signature, {})
         for kind, components in (("blocks", state.block_components), ("rows", state.rows)):
             if components is None:
+                continue
+            if kind == "rows" and not state.spec.noise and not any(k == "rows" for k, _ in needs):
+                # no noise, no random numbers to keep in step: a value per row ([K*B, total] in a mixture
+                # evaluation) only once a layer has asked for one; until then it gathers its own
                 continue
             if kind == "blocks" and state.fixed_components == tuple(range(self.components)):
                 components = None  # every component in order: the tables themselves, no gather
@@ -143,9 +149,8 @@ class Router:
                         scales[group.key] = group.scale()
                     scale = scales[group.key]
                 state.full[(group.key, kind)] = group.draw_all(components, state.spec.noise, scale)
-        if torch.compiler.is_compiling():
-            return  # a compiled graph fuses the slices of its own: learning the takes would only recompile it
-        for (kind, like), groups in self.needs.get(state.signature, {}).items():
+        # (a compiled graph fuses the slices of its own: learning the takes would only recompile it)
+        for (kind, like), groups in needs.items():
             for key, slots in groups.items():
                 full = state.full.get((key, kind))
                 if full is not None:
@@ -158,12 +163,14 @@ class Router:
         values = state.draws.get((group.key, kind, like))
         if values is not None and slot in values:
             return values[slot]
-        full = state.full.get((group.key, kind))
-        if full is None or group.key >= len(self.groups) or self.groups[group.key] is not group:
+        if group.key >= len(self.groups) or self.groups[group.key] is not group:
             return None  # not one of this router's groups: the layer draws its own
         if not torch.compiler.is_compiling():
             shapes = self.needs.setdefault(state.signature, {})
             shapes.setdefault((kind, like), {}).setdefault(group.key, set()).add(slot)
+        full = state.full.get((group.key, kind))
+        if full is None:
+            return None  # not drawn for this pass (a value per row without noise): the layer gathers its own
         start = group.starts[slot]
         return full[:, start : start + group.sizes[slot]]
 
@@ -227,7 +234,7 @@ class Router:
             return Routing(rows if n == 0 else rows.new_zeros(n))
         if n == total:
             return Routing(rows, blocks, components, fixed, state)
-        if total and n % total == 0:
+        if n % total == 0:
             # extra axes folded into the batch, batch-major (e.g. windows): repeat each row's component
             factor = n // total
             scaled = None if blocks is None else tuple((a * factor, b * factor) for a, b in blocks)
