@@ -302,8 +302,9 @@ class _FoldWeights(torch.autograd.Function):
             d_weight = (grad * (r * c)).sum(0).to(weight.dtype)  # each fold's share, summed
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             q = grad * weight  # d/d(outer), summed over the kernel below
-            if q.dim() > 3:
-                q = q.sum(tuple(range(3, q.dim())), keepdim=True)
+            spatial = tuple(i for i in range(3, q.dim()) if q.shape[i] > 1)
+            if spatial:  # (a 1x1 kernel has nothing to sum: no op)
+                q = q.sum(spatial, keepdim=True)
             r_q, c_q = r.to(q.dtype), c.to(q.dtype)  # factors of another dtype than the weight
             kernel = tuple(range(3, q.dim()))
             if ctx.needs_input_grad[1]:
