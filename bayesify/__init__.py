@@ -15,9 +15,9 @@ from bayesify.kl import kl_divergence, kl_loss
 from bayesify.layers import ConvertedLayer, Rank1Layer
 from bayesify.merge import merge
 from bayesify.mode import mode, predict
-from bayesify.options import Init, Perturbation, Posterior, Prior, Reduction, Route
+from bayesify.options import Init, Perturbation, Posterior, Prior, Route
 from bayesify.summary import Summary, summary
-from bayesify.tasks import Task
+from bayesify.predictive.tasks import Task
 from bayesify.uncertainty import uncertainty
 from bayesify.variational import Rank1Factor
 
@@ -32,7 +32,6 @@ __all__ = [
     "Rank1Config",
     "Rank1Factor",
     "Rank1Layer",
-    "Reduction",
     "Route",
     "Summary",
     "Task",
@@ -54,9 +53,16 @@ __all__ = [
 ]
 
 
-# sub-packages loaded on first use (bayesify.detection, bayesify.training, ...); the deprecated ones of
-# release 0.1 (wrappers, priors, modules, data, models) warn when they load
-_LAZY = ("detection", "evaluation", "hf", "training", "zoo", "wrappers", "priors", "modules", "data", "models")
+# sub-packages loaded on first use (bayesify.detection, bayesify.training, ...)
+_LAZY = ("detection", "evaluation", "hf", "predictive", "training", "zoo")
+# release 0.1's aliases, removed in 0.3: a one-line error says where each went
+_REMOVED = {
+    "wrappers": "bayesify.layers",
+    "priors": "bayesify.variational",
+    "modules": "bayesify (or bayesify.inspection / bayesify.kl)",
+    "data": "bayesify.zoo",
+    "models": "bayesify.zoo",
+}
 
 
 def __getattr__(name: str) -> object:
@@ -64,4 +70,6 @@ def __getattr__(name: str) -> object:
 
     if name in _LAZY:
         return importlib.import_module(f"bayesify.{name}")
+    if name in _REMOVED:
+        raise AttributeError(f"bayesify.{name} was removed in release 0.3; use {_REMOVED[name]}.")
     raise AttributeError(f"module 'bayesify' has no attribute {name!r}")

@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from bayesify.mixture import split_members, tile
 from bayesify.options import Route, Sampling
-from bayesify.tasks import Auto, HuggingFaceTask, Members, Regression, Task, TaskMap
+from bayesify.predictive.outputs import is_packed, reduce_output
+from bayesify.predictive.tasks import Auto, Task
 
 if TYPE_CHECKING:
     from bayesify.config import Rank1Config
@@ -75,7 +76,7 @@ class ForwardState:
     batch: int  # examples in the batch as given
     axis: int | None  # batch axis of the inputs (None: one unbatched example)
     members: int  # copies of each example in the routed batch (K * samples when tiled, else 1)
-    labels: Tensor | None = None  # a Hugging Face model's `labels` as given (to recompute its loss)
+    inputs: dict = field(default_factory=dict)  # the call's keyword arguments as given (a task may read them)
     fixed_components: tuple[int, ...] | None = None  # the blocks' components when the route fixes them (not sampled)
     # the factors and offsets drawn for this pass, for the whole model at once, in the root's pre-hook (outside any
     # checkpointed region, so a recomputation in the backward pass takes the very same values): every table,
@@ -106,7 +107,8 @@ class Router:
     """Routes the rows of every forward pass of one converted model (see the module doc)."""
 
     config: Rank1Config
-    task: Task = field(default_factory=Auto)  # what the root's output means (Auto: nobody said; see tasks.py)
+    task: Task = field(default_factory=Auto)  # what the root's output means (Auto: nobody said; predictive/tasks.py)
+    root_layout: bool = False  # the root is a converted layer that states the batch axes of its inputs and outputs
     overrides: list[RouteSpec] = field(default_factory=list)  # the mode() stack: the last one is in force
     state: ForwardState | None = None
     active: bool = False  # inside the root's forward
@@ -247,20 +249,19 @@ class Router:
     # ---- hooks on the root module ------------------------------------------------------------
 
     def begin(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        from bayesify.layers.base import ConvertedLayer
-
         spec = self.resolve(module.training)
         if args and _is_example_list(args[0]):
             return self._begin_list(module, spec, args, kwargs)
-        leaves, tree = tree_flatten((args, kwargs), is_leaf=_is_packed)
+        leaves, tree = tree_flatten((args, kwargs), is_leaf=is_packed)
         first = next((t for t in leaves if isinstance(t, (Tensor, PackedSequence))), None)
         if first is None:
             raise TypeError(
                 f"bayesify found no tensor input to route through the {self.components} mixture components; "
                 "pass the batch as a tensor argument."
             )
-        # a converted layer used as the model knows its own layout (batch axis, or None if unbatched)
-        layer = module if isinstance(module, ConvertedLayer) else None
+        # a converted layer used as the model knows its own layout (batch axis, or None if unbatched): the layer
+        # contract's rank1_batch_axis / rank1_input_axes / rank1_output_axes
+        layer = module if self.root_layout else None
         axis = layer.rank1_batch_axis(first) if layer is not None else self.batch_dim
         if axis is not None and isinstance(first, Tensor) and first.dim() <= axis:
             raise TypeError(
@@ -290,9 +291,8 @@ class Router:
         rows = member_rows(self.components, spec.samples * batch, device)
         blocks = tuple((i * batch, (i + 1) * batch) for i in range(members))
         components = member_rows(self.components, spec.samples, device)
-        labels = kwargs.get("labels") if isinstance(kwargs.get("labels"), Tensor) else None
         fixed = tuple(i // spec.samples for i in range(members))
-        self.state = ForwardState(spec, rows, blocks, components, batch, axis, members, labels, fixed)
+        self.state = ForwardState(spec, rows, blocks, components, batch, axis, members, kwargs, fixed)
         self.draw_ahead(self.state)
 
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
@@ -339,58 +339,22 @@ class Router:
         # rows stay in self.state for a backward pass that recomputes this forward (see live())
         self.active = False
         state = self.state
-        if state is None or state.spec.route is not Route.MIXTURE:
+        if state is None:
             return output
-        task = state.spec.task or self.task
-        members, batch, axis = state.members, state.batch, state.axis
-        leaves, tree = tree_flatten_with_path(output, is_leaf=_is_packed)
-        axes = output_axes(module, output, len(leaves), axis)
-        loss_at = None
+        inputs, state.inputs = state.inputs, {}  # not held past the pass (they may be large)
+        if state.spec.route is not Route.MIXTURE:
+            return output
+        axes = self.output_axes(module, output, state.axis)
+        return reduce_output(
+            module, output, state.spec.task or self.task, members=state.members, batch=state.batch, axis=state.axis,
+            axes=axes, inputs=inputs,
+        )  # fmt: skip
 
-        def reduce(path: tuple, t: object, dim: int | None) -> object:
-            nonlocal loss_at
-            tiled = (
-                isinstance(t, Tensor) and t.is_floating_point() and dim is not None and t.dim() > dim
-                and (axis is None or t.shape[dim] == members * batch)
-            )  # fmt: skip
-            if isinstance(t, PackedSequence):
-                return _reduce_packed(t, members, batch, self._leaf_task(module, task, path, t))
-            if isinstance(task, HuggingFaceTask) and task.recompute_loss and _key(path) == "loss":
-                loss_at = path
-                return t
-            if not tiled:
-                return t
-            stacked = t.movedim(dim, 0) if axis is None else split_members(t, members, dim)
-            return self._leaf_task(module, task, path, stacked[0]).reduce(stacked)
-
-        reduced = [(path, reduce(path, t, d)) for (path, t), d in zip(leaves, axes)]
-        if loss_at is not None:  # a Hugging Face loss: the predictive NLL of the mixture's logits
-            logits = next((v for p, v in reduced if _key(p) == "logits"), None)
-            reduced = [(p, _huggingface_loss(module, logits, state.labels) if p == loss_at else v) for p, v in reduced]
-        return tree_unflatten([v for _, v in reduced], tree)
-
-    def _leaf_task(self, module: nn.Module, task: Task, path: tuple, leaf: object) -> Task:
-        """The task that reduces one tiled output leaf (``path``: its place in the output structure)."""
-        if isinstance(task, Auto):
-            shape = f" of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else ""
-            raise ValueError(
-                f"bayesify does not know what the output{shape} of {type(module).__name__} means, so it cannot "
-                f"reduce its {self.components} members to one prediction; say it with bayesify.convert(model, "
-                "task=...) or bayesify.mode(model, task=...): 'classification' (softmax), 'binary' or 'multilabel' "
-                "(sigmoids), 'regression' (mean), 'gaussian' (mean, log-variance), or 'members' (no reduction)."
-            )
-        if not isinstance(task, TaskMap):
-            return task
-        key = _key(path)
-        found = task.get(key)
-        if found is not None:
-            return found
-        if task.rest == "mean":
-            return Regression()
-        raise ValueError(
-            f"task={task} names no task for the output {key!r} of {type(module).__name__}; add {key!r} to the "
-            "task mapping."
-        )
+    def output_axes(self, root: nn.Module, output: object, axis: int | None) -> list[int | None]:
+        """The batch axis of each output leaf: the root layer's own statement, else the input's axis."""
+        count = len(tree_flatten(output, is_leaf=is_packed)[0])
+        axes = root.rank1_output_axes(output) if self.root_layout else None
+        return [0 if axis is None else axis] * count if axes is None else axes
 
     def split(self, root: nn.Module, output: object) -> object:
         """The output of the root's last tiled forward with a member axis in front of each batched leaf.
@@ -403,8 +367,8 @@ class Router:
         state = self.state
         assert state is not None, "split() follows a routed forward pass"
         batch, axis = state.batch, state.axis
-        leaves, tree = tree_flatten(output, is_leaf=_is_packed)
-        axes = output_axes(root, output, len(leaves), axis)
+        leaves, tree = tree_flatten(output, is_leaf=is_packed)
+        axes = self.output_axes(root, output, axis)
 
         def split_leaf(t: object, dim: int | None) -> object:
             if dim is None or not isinstance(t, Tensor) or t.dim() <= dim:
@@ -450,48 +414,9 @@ def member_rows(components: int, rows_each: int, device: torch.device) -> Tensor
     return torch.arange(components, device=device)[:, None].expand(components, rows_each).reshape(-1)
 
 
-def _key(path: tuple) -> Any:
-    """The top-level key, attribute or index of an output leaf's path (None for a bare tensor)."""
-    if not path:
-        return None
-    entry = path[0]
-    for attr in ("key", "name", "idx"):
-        if hasattr(entry, attr):
-            return getattr(entry, attr)
-    return None
-
-
 def _is_example_list(value: object) -> bool:
     # a plain list (or tuple) of tensors, one per example; not a PackedSequence or another named tuple
     return type(value) in (list, tuple) and len(value) > 0 and all(isinstance(v, Tensor) for v in value)
-
-
-def _huggingface_loss(model: nn.Module, logits: Tensor | None, labels: Tensor | None) -> Tensor | None:
-    """The model's own loss function on the mixture's logits (the predictive NLL); None without labels."""
-    if logits is None or labels is None:
-        return None
-    loss_function = getattr(model, "loss_function", None)
-    if loss_function is None:
-        return None
-    config = model.config
-    return loss_function(
-        logits=logits, pooled_logits=logits, labels=labels, vocab_size=getattr(config, "vocab_size", None), config=config
-    )
-
-
-def output_axes(root: nn.Module, output: object, count: int, axis: int | None) -> list[int | None]:
-    """The batch axis of each output leaf: the root layer's own statement, else the input's axis."""
-    from bayesify.layers.base import ConvertedLayer
-
-    if isinstance(root, ConvertedLayer):
-        axes = root.rank1_output_axes(output)
-        if axes is not None:
-            return axes
-    return [0 if axis is None else axis] * count
-
-
-def _is_packed(value: object) -> bool:
-    return isinstance(value, PackedSequence)
 
 
 def _tile_packed(packed: PackedSequence, tiles: int) -> PackedSequence:
@@ -511,29 +436,6 @@ def _tile_packed(packed: PackedSequence, tiles: int) -> PackedSequence:
     return PackedSequence(data.repeat_interleave(tiles, 0), batch_sizes * tiles, tiled_sorted, unsorted)
 
 
-def _reduce_packed(packed: PackedSequence, tiles: int, batch: int, task: Task) -> object:
-    """The mixture of a packed output of ``tiles * batch`` member-major sequences (any sorted order)."""
-    data, batch_sizes, sorted_indices, unsorted_indices = packed
-    if not data.is_floating_point() or int(batch_sizes[0]) != tiles * batch or bool((batch_sizes % tiles).any()):
-        return packed
-    steps, count = batch_sizes.numel(), tiles * batch
-    device = data.device
-    if sorted_indices is None:
-        sorted_indices = unsorted_indices = torch.arange(count, device=device)
-    # reduced order: the order of member 0's copies; row (t, q) gathers member k of sequence order[q]
-    order = torch.argsort(unsorted_indices[:batch])
-    sizes = batch_sizes // tiles
-    offsets = (torch.cumsum(batch_sizes, 0) - batch_sizes).to(device)
-    step = torch.repeat_interleave(torch.arange(steps, device=device), sizes.to(device))
-    position = torch.arange(step.numel(), device=device) - (torch.cumsum(sizes, 0) - sizes).to(device)[step]
-    members = torch.arange(tiles, device=device) * batch
-    index = offsets[step].unsqueeze(0) + unsorted_indices[members.unsqueeze(1) + order[position].unsqueeze(0)]
-    reduced = task.reduce(data[index])
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(batch, device=device)
-    return PackedSequence(reduced, sizes, order, inverse)
-
-
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -542,16 +444,21 @@ def _in_backward() -> bool:
 
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return module._rank1_context.begin(module, args, kwargs)
+    return module._rank1_router.begin(module, args, kwargs)
 
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
-    return module._rank1_context.end(module, output)
+    return module._rank1_router.end(module, output)
 
 
-def attach(root: nn.Module, router: Router) -> None:
-    """Install ``router`` on ``root`` (as ``root._rank1_context``) with the hooks that route each forward pass."""
-    root._rank1_context = router
+def attach(root: nn.Module, router: Router, *, root_layout: bool = False) -> None:
+    """Install ``router`` on ``root`` (as ``root._rank1_router``) with the hooks that route each forward pass.
+
+    ``root_layout``: the root is a converted layer, which states where the batch lies in its inputs and outputs
+    (the layer contract's ``rank1_batch_axis``, ``rank1_input_axes``, ``rank1_output_axes``).
+    """
+    router.root_layout = root_layout
+    root._rank1_router = router
     router.handles = [
         root.register_forward_pre_hook(_pre_hook, with_kwargs=True),
         root.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
@@ -565,7 +472,7 @@ def is_root(module: nn.Module) -> bool:
 
 def detach(root: nn.Module) -> None:
     """Remove the routing hooks that :func:`attach` installed (the router attribute stays)."""
-    router: Router = root._rank1_context
+    router: Router = root._rank1_router
     for handle in router.handles:
         handle.remove()
     router.handles = []
@@ -583,10 +490,10 @@ def find_root(model: nn.Module) -> nn.Module:
 
 def find_router(model: nn.Module) -> Router:
     """The router of a converted model (also through wrappers such as DDP)."""
-    return find_root(model)._rank1_context
+    return find_root(model)._rank1_router
 
 
 def split_output(model: nn.Module, output: Any) -> Any:
     """The last tiled forward's ``output`` of ``model`` with a member axis in front of each batched leaf."""
     root = find_root(model)
-    return root._rank1_context.split(root, output)
+    return root._rank1_router.split(root, output)

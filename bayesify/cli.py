@@ -142,7 +142,7 @@ def _train_config(args: argparse.Namespace) -> Any:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from bayesify.training.run import train
+    from bayesify.training.trainer import train
 
     config = _train_config(args)
     config.validate()
@@ -166,7 +166,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _xla_worker(index: int, config: dict[str, Any], download: bool) -> None:
     from bayesify.training import TrainConfig
-    from bayesify.training.run import train
+    from bayesify.training.trainer import train
 
     train(TrainConfig.from_dict(config), download=download)
 
@@ -175,7 +175,7 @@ def _xla_worker(index: int, config: dict[str, Any], download: bool) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from bayesify.evaluation.run import evaluate_run
+    from bayesify.training.evaluate_run import evaluate_run
 
     results = evaluate_run(
         args.out, corruptions=args.corruptions, severities=args.severities, samples=args.samples,

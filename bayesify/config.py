@@ -21,14 +21,13 @@ from bayesify.options import (
     Perturbation,
     Posterior,
     Prior,
-    Reduction,
     Sampling,
     StrOption,
     VarianceParameter,
     option,
 )
-from bayesify.tasks import Task, TaskName, parse_task
-from bayesify.variational.kl import check_pair
+from bayesify.predictive.tasks import Task, TaskName, resolve_task
+from bayesify.variational.divergence import check_pair
 
 __all__ = ["Rank1Config"]
 
@@ -90,7 +89,7 @@ class Rank1Config:
         TaskName.AUTO,
         "what the output means, i.e. how evaluation reduces the members: 'auto' (ask the model: timm, torchvision, "
         "Hugging Face), 'classification', 'binary', 'multilabel', 'regression', 'gaussian', 'members'; or a "
-        "bayesify.tasks.Task, a function reduce(members), a dict {output key: task}",
+        "bayesify.predictive.Task, a function reduce(members), a dict {output key: task}",
     )
     class_axis: int | None = option(None, "task='classification': the class axis (default -1, or 1 for 4-d+ outputs)")
     gaussian_variance: VarianceParameter = option(
@@ -142,13 +141,13 @@ class Rank1Config:
         if isinstance(self.task, (str, TaskName)):
             set_(self, "task", TaskName.parse(self.task, "task"))
         else:
-            set_(self, "task", parse_task(self.task))  # a Task, a function or a {key: task} mapping
+            set_(self, "task", resolve_task(self.task))  # a Task, a function or a {key: task} mapping
         if self.class_axis is not None and (isinstance(self.class_axis, bool) or not isinstance(self.class_axis, int)):
             raise ValueError(f"class_axis={self.class_axis!r} must be an integer axis (e.g. -1 or 1) or None.")
 
     def resolved_task(self) -> Task:
-        """:attr:`task` as a :class:`~bayesify.tasks.Task` (``"auto"`` stays :class:`~bayesify.tasks.Auto`)."""
-        return parse_task(self.task, class_axis=self.class_axis, gaussian_variance=self.gaussian_variance)
+        """:attr:`task` as a :class:`~bayesify.predictive.Task` (``"auto"`` stays :class:`~bayesify.predictive.Auto`)."""
+        return resolve_task(self.task, class_axis=self.class_axis, gaussian_variance=self.gaussian_variance)
 
     @property
     def identity(self) -> float:
@@ -192,9 +191,8 @@ class Rank1Config:
     @classmethod
     def from_options(cls, base: "Rank1Config | None" = None, **options: Any) -> "Rank1Config":
         """``base`` (default: the defaults) with ``options`` applied; unknown names raise a TypeError listing them all."""
-        if "reduction" in options:  # the name of release 0.1
-            options = dict(options)
-            options["task"] = _task_of_reduction(options.pop("reduction"))
+        if "reduction" in options:  # release 0.1's name, removed in 0.3
+            raise TypeError(_REDUCTION_REMOVED)
         unknown = sorted(set(options) - set(cls.option_names()))
         if unknown:
             raise TypeError(
@@ -231,18 +229,10 @@ class Rank1Config:
         return plain
 
 
-def _task_of_reduction(reduction: object) -> TaskName:
-    """The task of a release-0.1 ``reduction=`` option (deprecated)."""
-    import warnings
-
-    value = Reduction.parse(reduction, "reduction")
-    task = {Reduction.LOGITS: TaskName.CLASSIFICATION, Reduction.BINARY_LOGITS: TaskName.BINARY, Reduction.MEAN: TaskName.REGRESSION}[value]
-    warnings.warn(
-        f"reduction={value.value!r} is deprecated; pass task={task.value!r} (bayesify.tasks explains the tasks).",
-        DeprecationWarning,
-        stacklevel=4,
-    )
-    return task
+_REDUCTION_REMOVED = (
+    "reduction= was removed in release 0.3; pass task= instead: 'classification' (was 'logits'), 'binary' (was "
+    "'binary_logits') or 'regression' (was 'mean')."
+)
 
 
 @functools.cache

@@ -31,7 +31,8 @@ from bayesify.layers.embedding import GaussianEmbedding
 from bayesify.layers.hf_conv1d import Rank1HFConv1D
 from bayesify.layers.linear import Rank1Linear
 from bayesify.layers.recurrent import Rank1RNN, Rank1RNNCell
-from bayesify.tasks import Auto, Classification, Task, infer_task
+from bayesify.predictive.libraries import infer_task
+from bayesify.predictive.tasks import Auto, resolve_task
 from bayesify.variational import store
 
 __all__ = ["ConversionReport", "Skip", "SkipKind", "convert", "default_mapping", "revert"]
@@ -202,7 +203,8 @@ def convert(
 
     Raises:
         ValueError: an invalid option, a pattern that matches no module, nothing to convert,
-            or a second conversion with a different number of components.
+            or a second conversion with other model-wide options (``components``, ``batch_dim``,
+            ``sampling``, ``eval_noise``, another task than the one said).
         TypeError: an unknown option.
 
     Example:
@@ -219,6 +221,28 @@ def convert(
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}.")
     config = Rank1Config.from_options(config, **options)
+    table = _swap_table(mapping, config)
+    router = _router_for(model, config)
+    plan, skipped = _plan(model, table, _as_patterns("include", include), _as_patterns("exclude", exclude))
+    # the prior's scale follows the depth unless given (Rank1Config.resolved_prior_std)
+    config = config.for_depth(sum(issubclass(layer_class, Rank1Layer) for _, _, layer_class in plan))
+    for name, module, layer_class in plan:
+        new = layer_class.from_module(module, config, router)
+        if new is not module:
+            _replace(model, name, new)
+            if name == "":
+                model = new
+    _finish(model, config, router, [name for name, _, _ in plan], skipped)
+    return model
+
+
+Plan = list[tuple[str, nn.Module, type[ConvertedLayer]]]
+
+
+def _swap_table(
+    mapping: Mapping[type[nn.Module], type[ConvertedLayer]] | None, config: Rank1Config
+) -> dict[type[nn.Module], type[ConvertedLayer]]:
+    """``{source type: layer class}``: ``mapping`` (default :func:`default_mapping`), checked."""
     table = default_mapping() if mapping is None else dict(mapping)
     if config.embeddings:
         table = {**_EMBEDDING_MAPPING, **table}
@@ -228,10 +252,14 @@ def convert(
                 f"mapping[{source.__name__}]={layer_class!r} must be a subclass of bayesify.layers.Rank1Layer "
                 "(or bayesify.layers.ConvertedLayer)."
             )
-    includes, excludes = _as_patterns("include", include), _as_patterns("exclude", exclude)
+    return table
 
-    router = _router_for(model, config)
-    plan: list[tuple[str, nn.Module, type[ConvertedLayer]]] = []
+
+def _plan(
+    model: nn.Module, table: dict, includes: list[str] | None, excludes: list[str] | None
+) -> tuple[Plan, dict[str, Skip]]:
+    """Which modules to convert (name, module, layer class) and why each other weight-bearing one is not."""
+    plan: Plan = []
     skipped: dict[str, Skip] = {}
     used_patterns: set[str] = set()
     converted: list[str] = []
@@ -277,24 +305,22 @@ def convert(
             f"{sorted(t.__name__ for t in table)}. Pass mapping={{**bayesify.default_mapping(), YourLayer: "
             "YourRank1Layer} to convert other layer types."
         )
+    return plan, skipped
 
-    # the prior's scale follows the depth unless given (Rank1Config.resolved_prior_std)
-    config = config.for_depth(sum(issubclass(layer_class, Rank1Layer) for _, _, layer_class in plan))
-    for name, module, layer_class in plan:
-        new = layer_class.from_module(module, config, router)
-        if new is not module:
-            _replace(model, name, new)
-            if name == "":
-                model = new
+
+def _finish(model: nn.Module, config: Rank1Config, router: _router.Router, names: list[str], skipped: dict) -> None:
+    """After the swap: the model's task, the conversion report, the routing hooks, the flat store."""
     if not _router.is_root(model) or isinstance(router.task, Auto):
-        router.task = resolve_task(config, model)
+        router.task = resolve_task(
+            config.task, stated=infer_task(model), class_axis=config.class_axis, gaussian_variance=config.gaussian_variance
+        )
     report = model.__dict__.get("_rank1_report") or ConversionReport()
-    for name, _, _ in plan:
+    for name in names:
         report.skipped.pop(name, None)
     report.skipped.update(skipped)
     model.__dict__["_rank1_report"] = report
     if not _router.is_root(model):
-        _router.attach(model, router)
+        _router.attach(model, router, root_layout=isinstance(model, ConvertedLayer))
     # every factor and bias offset into the model's flat store: one draw, one KL, few optimizer tensors per step
     layers = [layer for _, layer in rank1_layers(model)]
     store.pack(model, layers)
@@ -303,7 +329,6 @@ def convert(
         group.key = key
     router.needs = {}  # the layers' takes were learnt by group number: relearn them for the new numbering
     _weight_decay.install(model)  # timm's optimizer factory: no weight decay on the rank-1 parameters
-    return model
 
 
 convert.__doc__ = convert.__doc__.replace("{options}", options_doc(Rank1Config, indent="            "))
@@ -318,32 +343,26 @@ convert.__signature__ = inspect.signature(convert).replace(  # type: ignore[attr
 )
 
 
-def resolve_task(config: Rank1Config, model: nn.Module) -> Task:
-    """The task of ``model``'s output: the configured one, or for ``"auto"`` what the model says (else Auto)."""
-    task = config.resolved_task()
-    if not isinstance(task, Auto):
-        return task
-    inferred = infer_task(model)
-    if inferred is None:
-        return task
-    if config.class_axis is not None and isinstance(inferred, Classification):
-        return Classification(config.class_axis)
-    return inferred
-
-
 def _router_for(model: nn.Module, config: Rank1Config) -> _router.Router:
     """The model's router: the existing one on a second conversion, else a new one."""
-    existing = model.__dict__.get("_rank1_context")
+    existing = model.__dict__.get("_rank1_router")
     inner = [layer for _, layer in rank1_layers(model)]
     if existing is None and inner:
         existing = inner[0].rank1_state.router  # a part of the model was converted on its own before
     if existing is None:
         return _router.Router(config)
-    if existing.components != config.components or existing.batch_dim != config.batch_dim:
+    # the router owns the options every layer reads at run time: a second convert() cannot change them for some
+    # layers only (a task may be said where none was, or left "auto": the model keeps its own)
+    differ = [name for name in MODEL_WIDE if getattr(existing.config, name) != getattr(config, name)]
+    task = config.resolved_task()
+    if not isinstance(task, Auto) and not isinstance(existing.task, Auto) and task != existing.task:
+        differ.append("task")
+    if differ:
+        was = ", ".join(f"{name}={_shown(existing, name)}" for name in differ)
+        got = ", ".join(f"{name}={_shown(config, name)}" for name in differ)
         raise ValueError(
-            f"{type(model).__name__} already has rank-1 layers with components={existing.components}, "
-            f"batch_dim={existing.batch_dim}; a second convert() must use the same values (got "
-            f"components={config.components}, batch_dim={config.batch_dim}), or call bayesify.revert(model) first."
+            f"{type(model).__name__} was converted with {was}; a second convert() must use the same model-wide "
+            f"option(s) (got {got}): pass those, or call bayesify.revert(model) and convert again."
         )
     # one router per model: rebind inner layers and drop routing hooks of inner roots
     for _, layer in rank1_layers(model):
@@ -352,8 +371,20 @@ def _router_for(model: nn.Module, config: Rank1Config) -> _router.Router:
         if module is not model and _router.is_root(module):
             _router.detach(module)
             if not isinstance(module, ConvertedLayer):
-                del module._rank1_context
+                del module._rank1_router
     return existing
+
+
+MODEL_WIDE = ("components", "batch_dim", "sampling", "eval_noise")
+"""Options read at run time from the model's router, never from one layer: the same for every layer of a model."""
+
+
+def _shown(source: object, name: str) -> str:
+    """An option's value as a user writes it (``source``: a router or a config)."""
+    if name == "task":
+        return repr(str(source.task if isinstance(source, _router.Router) else source.resolved_task()))
+    value = getattr(source.config if isinstance(source, _router.Router) else source, name)
+    return repr(getattr(value, "value", value))
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -373,7 +404,7 @@ def revert(model: nn.Module) -> nn.Module:
         _weight_decay.remove(module)
         store.remove(module)
         if not isinstance(module, ConvertedLayer):
-            module.__dict__.pop("_rank1_context", None)
+            module.__dict__.pop("_rank1_router", None)
     for _, layer in list(rank1_layers(model)):
         layer.revert()
     return model

@@ -1,4 +1,4 @@
-"""Questions about a model: which of its layers are converted, what bayesify added, K.
+"""Questions about a model: which of its layers are converted, what bayesify added, K, what its output means.
 
 These find converted layers by ``isinstance``, so a user's own layer families join for free,
 and work through wrappers such as DDP or ``torch.compile``'s ``OptimizedModule``.
@@ -10,9 +10,14 @@ from typing import Iterable, Iterator
 
 from torch import nn
 
+from bayesify._router import find_router
 from bayesify.layers.base import ConvertedLayer
+from bayesify.predictive.libraries import infer_task
+from bayesify.predictive.tasks import Task, resolve_task
 
-__all__ = ["NORM_LAYERS", "inside", "is_converted", "num_components", "rank1_layers", "rank1_parameters"]
+__all__ = [
+    "NORM_LAYERS", "inside", "is_converted", "model_task", "num_components", "rank1_layers", "rank1_parameters",
+]
 
 NORM_LAYERS: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,
@@ -54,6 +59,14 @@ def num_components(model: nn.Module) -> int:
     """
     first = next(rank1_layers(model), None)
     return 1 if first is None else first[1].rank1_config.components
+
+
+def model_task(model: nn.Module, task: object = None, *, needed_by: str | None = None) -> Task:
+    """What ``model``'s output means: ``task`` if given, else what the converted model was told (or found) at
+    conversion, else what a plain model states (timm / torchvision / Hugging Face; see
+    :func:`~bayesify.predictive.tasks.resolve_task`, which decides, and raises naming ``needed_by``'s ``task=``)."""
+    stated = find_router(model).task if is_converted(model) else infer_task(model)
+    return resolve_task(task, stated=stated, needed_by=needed_by)
 
 
 def inside(name: str, prefixes: Iterable[str]) -> bool:

@@ -2,7 +2,7 @@
 
 ``kl_divergence(model)`` is the sum over every converted layer of KL(q || p), each layer stating
 its pieces (:meth:`~bayesify.layers.ConvertedLayer.rank1_kl_terms`), taken in one concatenated
-pass per prior (:func:`bayesify.variational.kl.total_kl`). Divide it by the number of training
+pass per prior (:func:`bayesify.variational.divergence.total_kl`). Divide it by the number of training
 examples for the per-example ELBO term.
 """
 
@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from bayesify.inspection import rank1_layers
-from bayesify.variational.kl import total_kl
+from bayesify.variational.divergence import total_kl
 
 __all__ = ["kl_divergence", "kl_loss"]
 

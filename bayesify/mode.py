@@ -8,9 +8,10 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from bayesify._router import RouteSpec, _is_example_list, find_router, split_output
+from bayesify._router import RouteSpec, _is_example_list, find_root, find_router, split_output
+from bayesify.config import _REDUCTION_REMOVED
 from bayesify.options import Route, parse_option
-from bayesify.tasks import Task, parse_task
+from bayesify.predictive.tasks import Task, resolve_task
 
 __all__ = ["mode", "predict"]
 
@@ -40,11 +41,10 @@ def mode(
             always sampled in training, in evaluation as the conversion's ``eval_noise`` says (the
             posterior means unless it is True).
         samples: samples per component for ``tile`` / ``mixture`` (M in K x M).
-        task: for ``mixture``: what the output means (see :mod:`bayesify.tasks`); default: the
+        task: for ``mixture``: what the output means (see :mod:`bayesify.predictive.tasks`); default: the
             conversion's. ``class_axis`` goes with ``task="classification"``.
         component: the component for ``route="component"`` (implies it when route is None).
-        reduction: deprecated (release 0.1): ``"logits"``, ``"binary_logits"``, ``"mean"`` are the
-            tasks ``"classification"``, ``"binary"``, ``"regression"``.
+        reduction: removed in release 0.3 (a one-line error names the task to pass instead).
 
     Example:
         >>> with bayesify.mode(model, route="tile", noise=False):
@@ -65,10 +65,8 @@ def mode(
     if noise is not None and not isinstance(noise, bool):
         raise TypeError(f"noise={noise!r} must be True, False or None (the model's default).")
     if reduction is not None:
-        from bayesify.config import _task_of_reduction
-
-        task = _task_of_reduction(reduction)
-    parsed = None if task is None and class_axis is None else parse_task(task or "classification", class_axis=class_axis)
+        raise TypeError(_REDUCTION_REMOVED)
+    parsed = None if task is None and class_axis is None else resolve_task(task or "classification", class_axis=class_axis)
     router.overrides.append(RouteSpec(route, noise, samples, parsed, component))
     try:
         yield
@@ -118,6 +116,4 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
 
 
 def _training(model: nn.Module) -> bool:
-    from bayesify._router import find_root
-
     return find_root(model).training

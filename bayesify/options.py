@@ -16,7 +16,6 @@ __all__ = [
     "Perturbation",
     "Posterior",
     "Prior",
-    "Reduction",
     "Route",
     "Sampling",
     "StrOption",
@@ -129,17 +128,6 @@ class VarianceParameter(StrOption):
     """The variance itself (the head already ends in a positive activation); must be >= 0."""
     STD = "std"
     """The standard deviation: ``variance = v ** 2``; must be >= 0."""
-
-
-class Reduction(StrOption):
-    """How the ``mixture`` route reduces the members' outputs to one output per example."""
-
-    LOGITS = "logits"
-    """log(mean_k softmax(z_k)): the mixture's log-probabilities, usable as logits."""
-    BINARY_LOGITS = "binary_logits"
-    """logit(mean_k sigmoid(z_k)): for binary classifiers with one output unit."""
-    MEAN = "mean"
-    """mean_k z_k: for regression or features."""
 
 
 _E = TypeVar("_E", bound=StrOption)

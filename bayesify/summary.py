@@ -71,7 +71,7 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     With an example input (``summary(model, x)``) it also runs one forward pass (no gradients,
     one component, no noise) and names every converted layer that did not take part: layers
     whose forward never ran and whose weight was not intercepted, and layers whose weight
-    was used by other maths (see ``bayesify.wrappers._intercept``). It also watches the
+    was used by other maths (see ``bayesify.layers._intercept``). It also watches the
     unconverted 2-d+ parameters: one used as a linear map (by ``F.linear``, ``matmul``, a
     convolution, ...) is reported with the one-line ``mapping=`` to convert it, and a module
     whose parameters were only used otherwise (position embeddings, bias tables, scales) is

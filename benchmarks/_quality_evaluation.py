@@ -4,15 +4,15 @@ Classification: ``bayesify.evaluation.metrics.compute_metrics`` on the members' 
 (NLL of the mixture, accuracy, ECE with 15 bins, Brier; AUC-PR / AUC-ROC for two classes;
 diversity of the components where a method has several), and cNLL / cA / cECE / cBrier: the
 same metrics averaged over every (corruption, severity) set. Regression: the Gaussian-mixture
-NLL, RMSE and 90% interval coverage of ``benchmarks/_regression_metrics.py``, and their
-averages over the shifted sets (cNLL, cRMSE, cCoverage).
+NLL, RMSE and 90% interval coverage of ``bayesify.evaluation.regression.regression_metrics``
+(:func:`gaussian_head_metrics`), and their averages over the shifted sets (cNLL, cRMSE, cCoverage).
 
 Out-of-distribution detection (the Fashion-MNIST tasks: MNIST test images against the test set):
 :func:`ood_evaluation` runs ``bayesify.evaluation.evaluate(model, test, ood=...)``, the library's own
 evaluator, for every method whose members it produces (a plain network, temperature scaling as a
 network that divides its logits, the converted ones); for MC dropout, the deep ensemble and
 bayesian-torch (several stochastic passes or networks) it applies the functions ``evaluate`` uses
-(``members_uncertainty`` + ``ood_metrics_per_score``) to their members. ``ood_via_evaluate`` says which.
+(the task's ``uncertainty`` + ``ood_metrics_per_score``) to their members. ``ood_via_evaluate`` says which.
 """
 
 from __future__ import annotations
@@ -24,11 +24,36 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+import bayesify.predictive
 from bayesify.evaluation.metrics import compute_metrics, member_log_probs_from_logits
+from bayesify.evaluation.regression import regression_metrics
 from benchmarks._quality_tasks import REGRESSION, Task
-from benchmarks._regression_metrics import gaussian_mixture_metrics
 
-__all__ = ["evaluate_members", "ood_evaluation"]
+__all__ = ["evaluate_members", "gaussian_head_metrics", "ood_evaluation"]
+
+LOG_VAR_RANGE = (-12.0, 8.0)  # keeps exp(log variance) finite for a badly trained head
+
+
+def gaussian_head_metrics(members: Tensor, y: Tensor, y_std: float = 1.0, level: float = 0.9) -> dict[str, float]:
+    """NLL, RMSE, coverage and mean width of the central ``level`` interval of the members' mixture, in data units.
+
+    Args:
+        members: ``[S, N, 2]`` (mean, log variance) in standardised units.
+        y: ``[N]`` standardised targets.
+        y_std: the target's training standard deviation (reports in data units).
+    """
+    if members.dim() != 3 or members.shape[-1] != 2:
+        raise ValueError(f"members must be [S, N, 2] (mean, log variance), got {tuple(members.shape)}.")
+    means, log_var = members.double().unbind(-1)
+    variances = log_var.clamp(*LOG_VAR_RANGE).exp()
+    out = regression_metrics(means, y.double(), variances, levels=(level,))
+    lower, upper = bayesify.predictive.regression_uncertainty(means, variances).interval(level)
+    return {
+        "nll": out["nll"] + math.log(y_std),
+        "rmse": out["rmse"] * y_std,
+        "coverage": out["coverage"][level],
+        "width": float((upper - lower).mean()) * y_std,
+    }
 
 # metrics averaged over the shifted sets, by task kind: (clean name, shifted name)
 SHIFTED = {
@@ -42,7 +67,7 @@ SHIFTED = {
 
 def _metrics(members: Tensor, y: Tensor, task: Task, components: int) -> dict[str, float]:
     if task.kind == REGRESSION:
-        return gaussian_mixture_metrics(members, y, task.y_std)
+        return gaussian_head_metrics(members, y, task.y_std)
     log_probs = member_log_probs_from_logits(members)
     with_members = components > 1 and log_probs.shape[0] % components == 0
     out = compute_metrics(log_probs, y, components=components if with_members else 1, members=with_members)
@@ -88,7 +113,6 @@ def ood_evaluation(
     """
     from bayesify.evaluation import evaluate
     from bayesify.evaluation.ood import ood_metrics_per_score
-    from bayesify.uncertainty import members_uncertainty
     from bayesify.zoo.data import InMemoryDataset
 
     via = method.evaluator_model(model)
@@ -104,8 +128,8 @@ def ood_evaluation(
             )
         table = result["ood"]
     else:
-        inside = members_uncertainty("classification", predict(task.x_test))
-        outside = members_uncertainty("classification", predict(task.x_ood))
+        inside = bayesify.predictive.Classification().uncertainty(predict(task.x_test))
+        outside = bayesify.predictive.Classification().uncertainty(predict(task.x_ood))
         table = ood_metrics_per_score(inside, outside)
     flat = {f"ood_{score}_{metric}": float(value) for score, row in table.items() for metric, value in row.items()}
     flat["ood_via_evaluate"] = 1.0 if via is not None else 0.0

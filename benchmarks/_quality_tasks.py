@@ -256,7 +256,7 @@ class Scale:
 
 @functools.lru_cache(maxsize=None)
 def _bundle(name: str) -> object:
-    from bayesify.data import load_data
+    from bayesify.zoo.data import load_data
 
     return load_data(name)  # MNIST-1D is generated (seconds): once per process
 

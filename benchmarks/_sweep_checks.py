@@ -441,7 +441,7 @@ def _check_model(
     result.params_original = sum(p.numel() for _, p in original_params)
 
     # classifiers say their task (timm's num_classes > 0, torchvision); a feature backbone's output is averaged
-    task = "auto" if bayesify.tasks.infer_task(model) is not None else "regression"
+    task = "auto" if bayesify.predictive.infer_task(model) is not None else "regression"
     converted = bayesify.convert(model, components=components, task=task)
     _require(converted is model, "convert", "convert() returned a different object than it was given")
 

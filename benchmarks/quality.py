@@ -57,11 +57,10 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/quality.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bayesify.evaluation.metrics import member_log_probs_from_logits, negative_log_likelihood  # noqa: E402
-from benchmarks._quality_evaluation import evaluate_members, ood_evaluation  # noqa: E402
+from benchmarks._quality_evaluation import evaluate_members, gaussian_head_metrics, ood_evaluation  # noqa: E402
 from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, likelihood_loss  # noqa: E402
 from benchmarks._quality_report import write_report  # noqa: E402
 from benchmarks._quality_tasks import DEFAULT_TASKS, REGRESSION, TASKS, Scale, Task, build_task, task_names  # noqa: E402
-from benchmarks._regression_metrics import gaussian_mixture_metrics  # noqa: E402
 
 KL_WARMUP = 2 / 3  # fraction of the steps over which the KL weight rises linearly from 0 to 1
 BUDGET = 4  # validation runs per method
@@ -137,7 +136,7 @@ def validation_nll(method: Method, model: nn.Module, task: Task) -> float:
     """NLL of the method's own predictive (the mixture of its members) on the validation split."""
     members = method.members(model, task.x_val, task)
     if task.kind == REGRESSION:
-        return gaussian_mixture_metrics(members, task.y_val)["nll"]
+        return gaussian_head_metrics(members, task.y_val)["nll"]
     return float(negative_log_likelihood(member_log_probs_from_logits(members), task.y_val))
 
 

@@ -1,6 +1,7 @@
 """The bayesify demo: deterministic vs rank-1 BNN on sklearn's handwritten digits (no download).
 
     make demo                    # or: python examples/digits.py [--epochs 30] [--components 4] [--out DIR]
+    python examples/digits.py --smoke    # a few seconds: 1 epoch on part of the data (tests/test_demo.py)
 
 Trains a small CNN twice from the same initialisation with bayesify's trainer, once as it is and
 once converted with ``bayesify.convert`` and **its defaults**, and prints test NLL / accuracy /
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 import bayesify
-from bayesify.zoo.data import load_data
+from bayesify.zoo.data import InMemoryDataset, load_data
 from bayesify.evaluation import evaluate
 from bayesify.training import TrainConfig, Trainer
 
@@ -68,10 +69,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="keep the runs (checkpoints, metrics.jsonl) here instead of a temp dir")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (small nets gain little from more)")
+    parser.add_argument("--smoke", action="store_true", help="1 epoch on 256 training images: checks that it runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.epochs = 1
 
     bundle = load_data("digits")
+    if args.smoke:
+        bundle.train = InMemoryDataset(bundle.train.inputs[:256], bundle.train.labels[:256])
     torch.manual_seed(args.seed)
     deterministic = make_net()
     rank1 = copy.deepcopy(deterministic)  # same starting weights for both

@@ -3,6 +3,7 @@
     python examples/mnist1d_sequence.py                       # GRU, 60 epochs, K=4, seed 0
     python examples/mnist1d_sequence.py --seeds 0 1 2         # three seeds
     python examples/mnist1d_sequence.py --cell lstm
+    python examples/mnist1d_sequence.py --smoke               # seconds: 1 epoch, hidden 16 (the test runs this)
 
 Each MNIST-1D signal (40 samples) is read as a sequence of 40 steps of 1 feature by a
 bidirectional recurrent layer followed by a linear head. The same network is trained twice from
@@ -99,8 +100,11 @@ def main() -> None:
     parser.add_argument("--prior-std", type=float, default=None, help="default: convert()'s (scaled to the depth)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="1 epoch of a 16-unit network: checks that it runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.smoke:
+        args.epochs, args.hidden = 1, 16
 
     rows: dict[str, list[dict[str, float]]] = {"deterministic": [], "rank-1 BNN": []}
     start = time.time()

@@ -269,3 +269,19 @@ def test_a_second_conversion_keeps_every_layer_on_its_own_columns_of_the_store()
         with bayesify.mode(model, component=1, noise=False):
             out = model(x)
     torch.testing.assert_close(out, bayesify.merge(model, component=1)(x))
+
+
+def test_converting_again_with_other_model_wide_options_refuses_naming_each() -> None:
+    # the case: the router kept example / False while the new layer said component / True
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    bayesify.convert(net, include="0", sampling="example", eval_noise=False, task="classification")
+    with pytest.raises(ValueError, match=r"converted with sampling='example', eval_noise=False; .* \(got sampling='component', eval_noise=True\)"):
+        bayesify.convert(net, sampling="component", eval_noise=True)
+    with pytest.raises(ValueError, match=r"task='classification'.*got task='regression'"):
+        bayesify.convert(net, sampling="example", task="regression")
+    assert not isinstance(net[2], bayesify.ConvertedLayer)  # nothing was converted by the refused calls
+    bayesify.convert(net, sampling="example")  # the same options (the task left "auto"): the rest converts
+    router = net._rank1_router
+    assert isinstance(net[2], bayesify.ConvertedLayer) and str(router.task) == "classification"
+    # one owner at run time: every layer reads the model-wide options from the root's router
+    assert all(layer.rank1_state.router is router for _, layer in bayesify.rank1_layers(net))

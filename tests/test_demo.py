@@ -1,4 +1,4 @@
-"""``make demo`` (examples/digits.py) runs end to end (one short epoch here)."""
+"""``make demo`` (examples/digits.py) runs end to end (its --smoke run: one short epoch)."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_digits_demo_prints_both_models(tmp_path):
     result = subprocess.run(
-        [sys.executable, "examples/digits.py", "--epochs", "1", "--samples", "2", "--out", str(tmp_path)],
+        [sys.executable, "examples/digits.py", "--smoke", "--samples", "2", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

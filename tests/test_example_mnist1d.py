@@ -24,7 +24,7 @@ def _run(*args: str) -> dict[str, dict[str, float]]:
 
 
 def test_example_runs() -> None:
-    rows = _run("--epochs", "1", "--hidden", "16")
+    rows = _run("--smoke")
     for metrics in rows.values():
         assert 0 < metrics["nll"] < 3 and 0 <= metrics["ece"] <= 1
 

@@ -46,7 +46,7 @@ def test_eval_returns_log_mean_softmax_of_the_members() -> None:
 
 def test_reductions_mean_and_binary_logits() -> None:
     net = nn.Sequential(nn.Linear(5, 1))
-    bayesify.convert(net, components=2, init_std=0.5, reduction="binary_logits")
+    bayesify.convert(net, components=2, init_std=0.5, task="binary")
     net.eval()
     x = torch.randn(4, 5)
     torch.manual_seed(3)
@@ -56,7 +56,7 @@ def test_reductions_mean_and_binary_logits() -> None:
     out = net(x)
     torch.testing.assert_close(torch.sigmoid(out), torch.sigmoid(members).mean(0))
     torch.manual_seed(3)
-    with bayesify.mode(net, route="mixture", reduction="mean"):
+    with bayesify.mode(net, route="mixture", task="regression"):
         torch.testing.assert_close(net(x), members.mean(0))
 
 
@@ -120,12 +120,19 @@ def test_predict_stacks_members() -> None:
         (dict(samples=0), "samples=0"),
         (dict(component=3), r"component=3 must be an integer in \[0, 3\)"),
         (dict(route="tile", component=1), "only applies"),
-        (dict(reduction="median"), "reduction='median'"),
     ],
 )
 def test_mode_rejects_bad_options(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         with bayesify.mode(_net(), **kwargs):
+            pass
+
+
+def test_release_0_1_reduction_option_is_refused_in_one_line_naming_the_task() -> None:
+    with pytest.raises(TypeError, match=r"reduction= was removed in release 0.3; pass task= instead: 'classification'"):
+        bayesify.convert(_net(), reduction="logits")
+    with pytest.raises(TypeError, match=r"'binary' \(was 'binary_logits'\)"):
+        with bayesify.mode(_net(), reduction="binary_logits"):
             pass
 
 
@@ -198,7 +205,7 @@ def test_exception_in_forward_leaves_routing_clean() -> None:
     net = _net()
     with pytest.raises(RuntimeError):
         net(torch.randn(3, 7))  # wrong feature size: torch's own error
-    context = net._rank1_context
+    context = net._rank1_router
     assert not context.active
     assert net.eval()(torch.randn(3, 5)).shape == (3, 4)
 

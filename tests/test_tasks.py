@@ -18,7 +18,7 @@ from torch import nn
 
 import bayesify
 from tests._rank1 import perturb
-from bayesify.tasks import Binary, Classification, Gaussian, Members, Regression, TaskMap, infer_task
+from bayesify.predictive import Binary, Classification, Gaussian, Members, Regression, TaskMap, infer_task
 
 DT = torch.float64
 K = 3
@@ -153,7 +153,7 @@ def test_detection_gives_members_or_an_error_never_a_tiled_batch() -> None:
         weights=None, weights_backbone=None, num_classes=3, min_size=64, max_size=64
     )
     bayesify.convert(model, components=2)
-    assert isinstance(bayesify.tasks.infer_task(model), Members)
+    assert isinstance(bayesify.predictive.infer_task(model), Members)
     images = [torch.rand(3, 64, 64), torch.rand(3, 48, 64)]
     model.eval()
     with pytest.raises(ValueError, match=r"bayesify.predict\(model, inputs\).*fuse_detections"):
@@ -201,14 +201,58 @@ def test_huggingface_loss_is_the_mixtures_nll_and_generate_runs() -> None:
 
 
 def test_tasks_by_name_and_by_object() -> None:
-    assert isinstance(bayesify.tasks.parse_task("binary"), Binary)
-    assert bayesify.tasks.parse_task("gaussian", gaussian_variance="softplus") == Gaussian("softplus")
-    assert isinstance(bayesify.tasks.parse_task(lambda members: members.max(0).values), bayesify.tasks.CustomTask)
-    assert bayesify.tasks.parse_task({"out": "classification"}) == TaskMap((("out", Classification()),))
+    assert isinstance(bayesify.predictive.parse_task("binary"), Binary)
+    assert bayesify.predictive.parse_task("gaussian", gaussian_variance="softplus") == Gaussian("softplus")
+    assert isinstance(bayesify.predictive.parse_task(lambda members: members.max(0).values), bayesify.predictive.CustomTask)
+    assert bayesify.predictive.parse_task({"out": "classification"}) == TaskMap((("out", Classification()),))
     with pytest.raises(ValueError, match="task='softmax' is not a valid TaskName option"):
-        bayesify.tasks.parse_task("softmax")
+        bayesify.predictive.parse_task("softmax")
     model = bayesify.convert(_mlp(3), components=K, task=lambda m: m.max(0).values).eval()
     x = torch.randn(2, 5, dtype=DT)
     with torch.no_grad(), bayesify.mode(model, noise=False):
         assert model(x).shape == (2, 3)
     assert isinstance(Regression().reduce(torch.ones(3, 2)), torch.Tensor)
+
+
+def test_resolve_task_is_the_one_decision() -> None:
+    from bayesify.predictive import Auto, resolve_task
+
+    assert resolve_task("binary") == Binary()
+    assert resolve_task(None, stated=Classification(-1)) == Classification(-1)
+    assert resolve_task("auto", stated=Classification(-1), class_axis=1) == Classification(1)  # the caller's axis
+    assert resolve_task("regression", stated=Classification(-1)) == Regression()  # what the caller says wins
+    assert isinstance(resolve_task(None), Auto)
+    with pytest.raises(ValueError, match=r"evaluate\(\) does not know what the model's output means; pass task="):
+        resolve_task(None, stated=None, needed_by="evaluate()")
+
+
+def test_tasks_say_what_they_mean_through_methods() -> None:
+    members = torch.randn(3, 5, 4)
+    log_probs = Classification().member_log_probs(members)
+    torch.testing.assert_close(log_probs, members.log_softmax(-1))
+    binary = Binary().member_log_probs(torch.randn(3, 5, 2))
+    assert binary.shape == (3, 10, 2)
+    torch.testing.assert_close(binary.exp().sum(-1), torch.ones(3, 10))
+    assert Classification().member_moments(members) is None and Regression().member_log_probs(members) is None
+    means, variances = Gaussian().member_moments(torch.randn(3, 5, 2))
+    assert means.shape == variances.shape == (3, 5, 1) and bool((variances > 0).all())
+    assert Gaussian().output_size(3) == 6 and Classification().output_size(3) == 3
+    assert type(Classification().uncertainty(members)).__name__ == "ClassificationUncertainty"
+    with pytest.raises(ValueError, match="has no uncertainty decomposition"):
+        Members().uncertainty(members)
+
+
+def test_the_old_tasks_module_is_a_deprecated_alias() -> None:
+    import importlib
+    import sys
+
+    sys.modules.pop("bayesify.tasks", None)
+    with pytest.warns(DeprecationWarning, match="moved to bayesify.predictive"):
+        old = importlib.import_module("bayesify.tasks")
+    assert old.Classification is Classification
+
+
+def test_removed_aliases_name_their_replacement() -> None:
+    for name, where in (("wrappers", "bayesify.layers"), ("priors", "bayesify.variational"), ("data", "bayesify.zoo")):
+        with pytest.raises(AttributeError, match=f"bayesify.{name} was removed in release 0.3; use {where}"):
+            getattr(bayesify, name)

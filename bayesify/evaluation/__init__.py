@@ -1,9 +1,11 @@
 """Evaluation of rank-1 BNNs as in the paper: mixture predictive metrics, corruptions, reports.
 
-from bayesify.evaluation import evaluate, evaluate_corruptions, evaluate_run
+from bayesify.evaluation import evaluate, evaluate_corruptions
 clean = evaluate(model, bundle.test, samples=4, transform=bundle.normalize)
 robust = evaluate_corruptions(model, bundle.test, samples=4, transform=bundle.normalize)
-results = evaluate_run("runs/rank1", corruptions="all", baseline="runs/det", ood="noise")  # report.md + plots
+
+A run directory of ``bayesify train`` is evaluated by :func:`bayesify.training.evaluate_run` (the training
+side imports this package, never the other way round).
 """
 
 from bayesify.evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupt_images
@@ -20,25 +22,21 @@ from bayesify.evaluation.metrics import compute_metrics, task_metrics
 from bayesify.evaluation.ood import ood_metrics, ood_scores
 from bayesify.evaluation.regression import regression_metrics
 from bayesify.evaluation.report import markdown_report, reliability_diagram, severity_plot
-from bayesify.evaluation.run import LoadedRun, evaluate_run, open_run
 
 __all__ = [
     "CORRUPTIONS",
     "SEVERITIES",
-    "LoadedRun",
     "collect_members",
     "compare_corruptions",
     "compute_metrics",
     "corrupt_images",
     "evaluate",
     "evaluate_corruptions",
-    "evaluate_run",
     "markdown_report",
     "model_task",
     "ood_detection",
     "ood_metrics",
     "ood_scores",
-    "open_run",
     "predict_members",
     "regression_metrics",
     "reliability_diagram",

@@ -19,7 +19,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from bayesify._router import find_router
 from bayesify.evaluation.corruptions import (
     SEVERITIES,
     corrupt_images,
@@ -29,10 +28,9 @@ from bayesify.evaluation.corruptions import (
 )
 from bayesify.evaluation.metrics import compute_metrics, member_log_probs_from_logits, task_metrics
 from bayesify.evaluation.ood import ood_metrics_per_score, score_notes
-from bayesify.inspection import is_converted, num_components
+from bayesify.inspection import is_converted, model_task, num_components
 from bayesify.mode import predict
-from bayesify.tasks import Auto, Task, infer_task, parse_task
-from bayesify.uncertainty import members_uncertainty
+from bayesify.predictive.tasks import Task
 
 __all__ = [
     "collect_members",
@@ -112,23 +110,6 @@ def predict_members(
         model, batches, samples=samples, device=device, transform=transform, corrupt=corrupt
     )
     return member_log_probs_from_logits(members), labels.long()
-
-
-def model_task(model: nn.Module, task: object = None) -> Task:
-    """The task to evaluate ``model``'s output as: ``task``, the converted model's, or what a plain model says.
-
-    Raises:
-        ValueError: nobody says (the message names the ``task=`` argument).
-    """
-    if task is not None:
-        return parse_task(task)
-    found = find_router(model).task if is_converted(model) else infer_task(model)
-    if found is None or isinstance(found, Auto):
-        raise ValueError(
-            f"evaluate() does not know what the output of {type(model).__name__} means; pass task= "
-            "('classification', 'binary', 'multilabel', 'regression', 'gaussian'), or convert the model with task=."
-        )
-    return found
 
 
 def _prepare(x: Tensor, device: torch.device | str, transform: Transform | None) -> Tensor:
@@ -220,7 +201,7 @@ def evaluate(
     """
     device = torch.device(device)
     k = num_components(model)
-    task = model_task(model, task)
+    task = model_task(model, task, needed_by="evaluate()")
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)  # the same noise draws on every evaluation of the same weights
         outputs, targets = collect_members(
@@ -290,7 +271,7 @@ def ood_detection(
     reuse = outputs is not None and (not converted or samples > 1)
     inside = outputs if reuse else members(data)
     outside = members(ood)
-    u_in, u_out = members_uncertainty(task, inside), members_uncertainty(task, outside)
+    u_in, u_out = task.uncertainty(inside), task.uncertainty(outside)
     table = ood_metrics_per_score(u_in, u_out)
     scoring = {"components": k, "samples": m, "sampled": converted, "notes": score_notes(u_in, u_out, table, k * m)}
     return table, scoring

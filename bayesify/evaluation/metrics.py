@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bayesify.evaluation.regression import regression_metrics
 from bayesify.mixture import logmeanexp
+from bayesify.predictive.tasks import resolve_task
 
 __all__ = [
     "accuracy",
@@ -249,24 +251,14 @@ def task_metrics(
     Raises:
         ValueError: a task without metrics (``members``, a custom reduction).
     """
-    from bayesify.evaluation.regression import regression_metrics
-    from bayesify.tasks import Binary, Classification, Gaussian, Regression, parse_task
-
-    task = parse_task(task)
-    if isinstance(task, Classification):
-        axis = task.axis(outputs[0]) + 1
-        logits = outputs.movedim(axis, -1)
-        log_probs = logits.reshape(logits.shape[0], -1, logits.shape[-1]).log_softmax(-1)
+    task = resolve_task(task, needed_by="task_metrics")
+    log_probs = task.member_log_probs(outputs)
+    if log_probs is not None:  # categorical: every pixel / token / label a row
         return compute_metrics(log_probs, targets.reshape(-1).long(), components=components, bins=bins, members=members)
-    if isinstance(task, Binary):
-        flat = outputs.reshape(outputs.shape[0], -1, 1)
-        return compute_metrics(member_log_probs_from_logits(flat), targets.reshape(-1).long(), components=components,
-                               bins=bins, members=members)  # fmt: skip
-    if isinstance(task, Gaussian):
-        means, variances = task.split(outputs)
+    moments = task.member_moments(outputs)
+    if moments is not None:
+        means, variances = moments
         return regression_metrics(means, targets.reshape(means.shape[1:]), variances)
-    if isinstance(task, Regression):
-        return regression_metrics(outputs, targets.reshape(outputs.shape[1:]))
     raise ValueError(
         f"evaluate() has no metrics for task {task}; pass task='classification', 'binary', 'multilabel', 'regression' "
         "or 'gaussian', or compute your own from bayesify.predict's members."

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bayesify.uncertainty import BinaryUncertainty, ClassificationUncertainty, RegressionUncertainty
+from bayesify.predictive.decompositions import BinaryUncertainty, ClassificationUncertainty, RegressionUncertainty
 
 __all__ = ["ood_metrics", "ood_metrics_per_score", "ood_scores", "score_notes"]
 

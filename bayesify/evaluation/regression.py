@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from bayesify.uncertainty import mixture_cdf, regression_uncertainty
+from bayesify.predictive.decompositions import mixture_cdf, regression_uncertainty
 
 __all__ = ["CALIBRATION_LEVELS", "regression_metrics"]
 
@@ -42,7 +42,7 @@ CALIBRATION_LEVELS: tuple[float, ...] = tuple(i / 20 for i in range(1, 20))
 
 _NO_VARIANCE_NOTE = (
     "no member_variances: nll, coverage, calibration_error and sharpness need a predictive noise model; "
-    "give the model a Gaussian head and pass member_variances (see bayesify.uncertainty.gaussian_head)."
+    "give the model a Gaussian head and pass member_variances (see bayesify.predictive.gaussian_head)."
 )
 
 

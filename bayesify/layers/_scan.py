@@ -84,6 +84,8 @@ class RecurrentScan(torch.autograd.Function):
         additive: the factors are added (``h + s``, ``p + r_hr``) instead of multiplied.
     """
 
+    # forward and backward are one loop each over the time steps, written out for LSTM / GRU / RNN together: a
+    # step's ops share buffers and indices that helpers would pass back and forth (long on purpose, ~95 lines each)
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -206,7 +208,7 @@ class RecurrentScan(torch.autograd.Function):
         mode, batch_sizes, offsets, order, additive, batch, hidden = ctx.meta
         w_hh, s_h, r_h, b_h, w_hr, s_hr, r_hr = ctx.saved_tensors
         h_prev, a_all, act = ctx.h_prev, ctx.a_all, ctx.act
-        steps, (n_rows, gates), width = len(batch_sizes), a_all.shape, h_prev.shape[1]
+        steps, (n_rows, _), width = len(batch_sizes), a_all.shape, h_prev.shape[1]
         pos = row_positions(batch_sizes, a_all.device)
         lstm, gru = mode == "LSTM", mode == "GRU"
 

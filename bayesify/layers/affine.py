@@ -252,7 +252,7 @@ class Rank1Affine(Rank1Layer):
         per block (fold, and in the backward the chain rule to W, r and s). Memory follows the same
         count: the per-row path keeps the scaled input and the unscaled output for the backward pass.
         """
-        sampling = self.rank1_config.sampling
+        sampling = self.rank1_state.router.config.sampling  # model-wide: the router owns it
         if draw.blocks is None or sampling is Sampling.EXAMPLE:
             return False
         if sampling is Sampling.COMPONENT:

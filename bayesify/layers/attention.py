@@ -219,15 +219,46 @@ class Rank1MultiheadAttention(Rank1Layer):
         average_attn_weights: bool,
         is_causal: bool,
     ) -> tuple[Tensor, Tensor | None]:
-        """``F.multi_head_attention_forward`` (sequence first) with rank-1 projections."""
-        heads = self.num_heads
-        is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask, heads)
+        """``F.multi_head_attention_forward`` (sequence first) with rank-1 projections: torch's function
+        projects inside itself, so its steps are written out here (masks, projections, attention)."""
+        is_batched = _check_shapes(query, key, value, key_padding_mask, attn_mask, self.num_heads)
         if not is_batched:
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
-        tgt_len, bsz, embed_dim = query.shape
-        src_len = key.shape[0]
+        if query.shape[2] != self.embed_dim:
+            raise AssertionError(f"was expecting embedding dimension of {self.embed_dim}, but got {query.shape[2]}")
+        if key.shape[:2] != value.shape[:2]:
+            raise AssertionError(f"key's sequence and batch dims {key.shape[:2]} do not match value's {value.shape[:2]}")
+        key_padding_mask, attn_mask, is_causal = self._rank1_masks(
+            query, key_padding_mask, attn_mask, need_weights, is_causal
+        )
+        # the rank-1 projections: one sample per example, shared by every position
+        draw = self.rank1_draw(query.shape[1], query.device)
+        params = self._parameters
+        fused = params.get("in_proj_weight")
+        if fused is not None:
+            w_q, w_k, w_v = fused.chunk(3)
+        else:
+            w_q, w_k, w_v = params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
+        in_bias = params.get("in_proj_bias")
+        b_q, b_k, b_v = in_bias.chunk(3) if in_bias is not None else (None, None, None)
+        q = self._rank1_project(query, "q", w_q, b_q, draw)
+        k = self._rank1_project(key, "k", w_k, b_k, draw)
+        v = self._rank1_project(value, "v", w_v, b_v, draw)
+        attn, weights = self._rank1_attend(q, k, v, key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal)
+        out_proj = self.out_proj
+        out = self._rank1_project(attn, "out", out_proj._parameters["weight"], out_proj._parameters.get("bias"), draw)
+        if not is_batched:
+            out = out.squeeze(1)
+            weights = weights.squeeze(0) if weights is not None else None
+        return out, weights
+
+    def _rank1_masks(
+        self, query: Tensor, key_padding_mask: Tensor | None, attn_mask: Tensor | None, need_weights: bool, is_causal: bool
+    ) -> tuple[Tensor | None, Tensor | None, bool]:
+        """The masks as torch's attention takes them (float, tiled for a tiled batch), and the causal hint."""
+        bsz, heads = query.shape[1], self.num_heads
         tiles = self.rank1_state.router.tiles
         if tiles > 1:
             # masks given per example for a tiled batch (the root tiles only tensors whose batch_dim holds
@@ -243,64 +274,47 @@ class Rank1MultiheadAttention(Rank1Layer):
                 "`generate_square_subsequent_mask` to create this mask."
             )
         if is_causal and key_padding_mask is None and not need_weights:
-            attn_mask = None  # scaled_dot_product_attention applies the causal mask itself
-        else:
-            attn_mask = _canonical(attn_mask, "attn_mask", None, query.dtype, check=False)
-            if key_padding_mask is not None:
-                is_causal = False
-        if embed_dim != self.embed_dim:
-            raise AssertionError(f"was expecting embedding dimension of {self.embed_dim}, but got {embed_dim}")
+            return key_padding_mask, None, is_causal  # scaled_dot_product_attention applies the causal mask itself
+        attn_mask = _canonical(attn_mask, "attn_mask", None, query.dtype, check=False)
+        return key_padding_mask, attn_mask, is_causal and key_padding_mask is None
+
+    def _rank1_attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        need_weights: bool,
+        average_attn_weights: bool,
+        is_causal: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Multi-head attention of projected ``q [L, B, E]``, ``k``, ``v [S, B, E]``: ``([L, B, E], weights)``."""
+        tgt_len, bsz, embed_dim = q.shape
+        heads = self.num_heads
         head_dim = embed_dim // heads
-        if key.shape[:2] != value.shape[:2]:
-            raise AssertionError(f"key's sequence and batch dims {key.shape[:2]} do not match value's {value.shape[:2]}")
-
-        # the rank-1 projections: one sample per example, shared by every position
-        params = self._parameters
-        draw = self.rank1_draw(bsz, query.device)
-        fused = params.get("in_proj_weight")
-        if fused is not None:
-            w_q, w_k, w_v = fused.chunk(3)
-        else:
-            w_q, w_k, w_v = params["q_proj_weight"], params["k_proj_weight"], params["v_proj_weight"]
-        in_bias = params.get("in_proj_bias")
-        b_q, b_k, b_v = in_bias.chunk(3) if in_bias is not None else (None, None, None)
-        q = self._rank1_project(query, "q", w_q, b_q, draw)
-        k = self._rank1_project(key, "k", w_k, b_k, draw)
-        v = self._rank1_project(value, "v", w_v, b_v, draw)
-
         if attn_mask is not None:
-            if attn_mask.dim() == 2:
-                if attn_mask.shape != (tgt_len, src_len):
-                    raise RuntimeError(
-                        f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(tgt_len, src_len)}."
-                    )
-                attn_mask = attn_mask.unsqueeze(0)
-            elif attn_mask.dim() == 3:
-                if attn_mask.shape != (bsz * heads, tgt_len, src_len):
-                    raise RuntimeError(
-                        f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
-                        f"{(bsz * heads, tgt_len, src_len)}."
-                    )
-            else:
+            expected = {2: (tgt_len, k.shape[0]), 3: (bsz * heads, tgt_len, k.shape[0])}.get(attn_mask.dim())
+            if expected is None:
                 raise RuntimeError(f"attn_mask's dimension {attn_mask.dim()} is not supported")
+            if tuple(attn_mask.shape) != expected:
+                raise RuntimeError(
+                    f"The shape of the {attn_mask.dim()}D attn_mask is {attn_mask.shape}, but should be {expected}."
+                )
+            if attn_mask.dim() == 2:
+                attn_mask = attn_mask.unsqueeze(0)
         bias_k, bias_v = self._parameters.get("bias_k"), self._parameters.get("bias_v")
         if bias_k is not None and bias_v is not None:
             k = torch.cat([k, bias_k.repeat(1, bsz, 1)])
             v = torch.cat([v, bias_v.repeat(1, bsz, 1)])
-            if attn_mask is not None:
-                attn_mask = F.pad(attn_mask, (0, 1))
-            if key_padding_mask is not None:
-                key_padding_mask = F.pad(key_padding_mask, (0, 1))
+            attn_mask, key_padding_mask = _pad_one(attn_mask), _pad_one(key_padding_mask)
         q = q.view(tgt_len, bsz * heads, head_dim).transpose(0, 1)
         k = k.view(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
         v = v.view(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
         if self.add_zero_attn:
             zeros = torch.zeros((bsz * heads, 1, head_dim), dtype=k.dtype, device=k.device)
             k, v = torch.cat([k, zeros], dim=1), torch.cat([v, zeros], dim=1)
-            if attn_mask is not None:
-                attn_mask = F.pad(attn_mask, (0, 1))
-            if key_padding_mask is not None:
-                key_padding_mask = F.pad(key_padding_mask, (0, 1))
+            attn_mask, key_padding_mask = _pad_one(attn_mask), _pad_one(key_padding_mask)
         src_len = k.size(1)
         if key_padding_mask is not None:
             if tuple(key_padding_mask.shape) != (bsz, src_len):
@@ -312,8 +326,6 @@ class Rank1MultiheadAttention(Rank1Layer):
             )
             attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
         dropout_p = self.dropout if self.training else 0.0
-
-        weights: Tensor | None = None
         if need_weights:
             q_scaled = q * math.sqrt(1.0 / float(head_dim))
             if attn_mask is not None:
@@ -325,23 +337,49 @@ class Rank1MultiheadAttention(Rank1Layer):
                 weights = F.dropout(weights, p=dropout_p)
             attn = torch.bmm(weights, v).transpose(0, 1).reshape(tgt_len, bsz, embed_dim)
             weights = weights.view(bsz, heads, tgt_len, src_len)
-            if average_attn_weights:
-                weights = weights.mean(dim=1)
-        else:
-            if attn_mask is not None:
-                if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
-                    attn_mask = attn_mask.unsqueeze(0)
-                else:
-                    attn_mask = attn_mask.view(bsz, heads, attn_mask.shape[-2], src_len)
-            q = q.view(bsz, heads, tgt_len, head_dim)
-            k = k.view(bsz, heads, src_len, head_dim)
-            v = v.view(bsz, heads, src_len, head_dim)
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
-            attn = attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
+            return attn, weights.mean(dim=1) if average_attn_weights else weights
+        if attn_mask is not None:
+            if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
+                attn_mask = attn_mask.unsqueeze(0)
+            else:
+                attn_mask = attn_mask.view(bsz, heads, attn_mask.shape[-2], src_len)
+        q = q.view(bsz, heads, tgt_len, head_dim)
+        k = k.view(bsz, heads, src_len, head_dim)
+        v = v.view(bsz, heads, src_len, head_dim)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+        return attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim), None
 
-        out_proj = self.out_proj
-        out = self._rank1_project(attn, "out", out_proj._parameters["weight"], out_proj._parameters.get("bias"), draw)
-        if not is_batched:
-            out = out.squeeze(1)
-            weights = weights.squeeze(0) if weights is not None else None
-        return out, weights
+
+def _pad_one(mask: Tensor | None) -> Tensor | None:
+    """A mask with one more key position, unmasked (``bias_k`` / ``add_zero_attn``'s extra key)."""
+    return None if mask is None else F.pad(mask, (0, 1))
+
+
+def _check_shapes(
+    query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None, attn_mask: Tensor | None, heads: int
+) -> bool:
+    """Whether the inputs are batched (3-d) or one unbatched sequence (2-d), checked as torch checks them."""
+    dims = query.dim()
+    if dims not in (2, 3):
+        raise AssertionError(f"query should be unbatched 2D or batched 3D tensor but received {dims}-D query tensor")
+    kind = "batched (3-D)" if dims == 3 else "unbatched (2-D)"
+    if key.dim() != dims or value.dim() != dims:
+        raise AssertionError(
+            f"For {kind} `query`, expected `key` and `value` to be {dims}-D but found {key.dim()}-D and "
+            f"{value.dim()}-D tensors respectively"
+        )
+    if key_padding_mask is not None and key_padding_mask.dim() != dims - 1:
+        raise AssertionError(
+            f"For {kind} `query`, expected `key_padding_mask` to be `None` or {dims - 1}-D but found "
+            f"{key_padding_mask.dim()}-D tensor instead"
+        )
+    if attn_mask is not None:
+        if attn_mask.dim() not in (2, 3):
+            raise AssertionError(
+                f"For {kind} `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found {attn_mask.dim()}-D "
+                "tensor instead"
+            )
+        expected = (heads, query.shape[0], key.shape[0])
+        if dims == 2 and attn_mask.dim() == 3 and attn_mask.shape != expected:
+            raise AssertionError(f"Expected `attn_mask` shape to be {expected} but got {attn_mask.shape}")
+    return dims == 3

@@ -45,7 +45,7 @@ from bayesify.config import Rank1Config
 from bayesify.options import Sampling
 from bayesify.layers._intercept import intercept
 from bayesify.variational.factor import Rank1Factor, sample_factors
-from bayesify.variational.kl import KLTerm, total_kl
+from bayesify.variational.divergence import KLTerm, total_kl
 
 __all__ = ["ConvertedLayer", "Draw", "LayerState", "Rank1Layer", "rank1_class"]
 
@@ -282,7 +282,7 @@ class ConvertedLayer(nn.Module):
 
         Used when the layer is itself the converted model; default: the conversion's ``batch_dim``.
         """
-        return self.rank1_config.batch_dim
+        return self.rank1_state.router.batch_dim
 
     def rank1_input_axes(self, args: tuple, kwargs: dict) -> list[int | None] | None:
         """The batch axis of each tensor leaf of ``(args, kwargs)`` (flattened in that order), or None
@@ -336,11 +336,11 @@ class ConvertedLayer(nn.Module):
         return self.rank1_state.config
 
     @property
-    def _rank1_context(self) -> Router:  # the name of earlier releases
+    def _rank1_router(self) -> Router:  # where the routing hooks find the router of a root that is itself a layer
         return self.rank1_state.router
 
-    @_rank1_context.setter
-    def _rank1_context(self, router: Router) -> None:  # a converted layer that is itself the root
+    @_rank1_router.setter
+    def _rank1_router(self, router: Router) -> None:  # a converted layer that is itself the root
         self.rank1_state.router = router
 
     def rank1_draw(self, n: int, device: torch.device) -> Draw:
@@ -348,7 +348,7 @@ class ConvertedLayer(nn.Module):
         model within one forward pass) and whether to sample."""
         state = self.rank1_state
         routing = state.router.rows_for(n, device)
-        per_block = state.config.sampling is Sampling.COMPONENT
+        per_block = state.router.config.sampling is Sampling.COMPONENT  # a model-wide option: the router owns it
         return Draw(
             routing.rows, state.router.noise, routing.blocks, routing.block_components, per_block,
             routing.fixed_components, self, routing.forward, routing.repeat,

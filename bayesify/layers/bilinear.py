@@ -44,7 +44,7 @@ class Rank1Bilinear(Rank1Layer):
         self.rank1_bias_offset("rank1_bias", self.out_features, "bias")
 
     def rank1_batch_axis(self, x1: Tensor) -> int | None:
-        return None if x1.dim() < 2 else min(self.rank1_config.batch_dim, x1.dim() - 2)
+        return None if x1.dim() < 2 else min(self.rank1_state.router.batch_dim, x1.dim() - 2)
 
     def rank1_input_axes(self, args: tuple, kwargs: dict) -> list[int | None]:
         # used as the model: both inputs carry the batch (an unbatched pair gets its members at axis 0)

@@ -35,7 +35,7 @@ from bayesify.config import Rank1Config
 from bayesify.layers.base import ConvertedLayer
 from bayesify.options import Posterior, Prior
 from bayesify.variational import distributions
-from bayesify.variational.kl import KLTerm
+from bayesify.variational.divergence import KLTerm
 
 __all__ = ["GaussianEmbedding"]
 

@@ -15,7 +15,7 @@ The original weights and biases (``weight_ih_l0``, ``weight_hh_l0_reverse``, ...
 Samples are drawn once per example and held across all time steps: once per forward pass of
 the converted model, so a model that steps a cell (or an ``nn.LSTM``) in its own loop keeps the
 same weights for the whole sequence. The input projection of all time steps is one matmul
-per layer and direction; the recurrence runs in :class:`~bayesify.wrappers._scan.RecurrentScan`
+per layer and direction; the recurrence runs in :class:`~bayesify.layers._scan.RecurrentScan`
 with a hand-written backward pass.
 
 Where the batch lies is read from the layer (``batch_first``, unbatched 2-D input,

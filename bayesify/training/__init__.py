@@ -10,18 +10,19 @@ from bayesify.training.objective import (
     Objective,
     kl_scale,
     l2_penalty,
-    negative_log_likelihood,
     training_nll,
 )
 from bayesify.training.optim import OptimizerName, WarmupStepDecay, build_optimizer, param_groups
 from bayesify.training.recipes import PRESETS, apply_preset
 from bayesify.training.run import build_model, load_run, restore_model
 from bayesify.training.sampler import ResumableBatchSampler
-from bayesify.training.trainer import Trainer
+from bayesify.training.trainer import Trainer, train
+from bayesify.training.evaluate_run import LoadedRun, evaluate_run, open_run
 
 __all__ = [
     "PRESETS",
     "CheckpointError",
+    "LoadedRun",
     "Likelihood",
     "Objective",
     "OptimizerName",
@@ -33,13 +34,15 @@ __all__ = [
     "apply_preset",
     "build_model",
     "build_optimizer",
+    "evaluate_run",
     "kl_scale",
     "l2_penalty",
     "load_checkpoint",
     "load_run",
-    "negative_log_likelihood",
+    "open_run",
     "param_groups",
     "restore_model",
     "save_checkpoint",
+    "train",
     "training_nll",
 ]

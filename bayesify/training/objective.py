@@ -32,18 +32,16 @@ References:
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from bayesify._router import find_router
-from bayesify.inspection import NORM_LAYERS, is_converted, num_components, rank1_layers, rank1_parameters
+from bayesify.inspection import NORM_LAYERS, is_converted, model_task, num_components, rank1_layers, rank1_parameters
 from bayesify.kl import kl_divergence, kl_scale
 from bayesify.mixture import logmeanexp
 from bayesify.options import StrOption
-from bayesify.tasks import Auto, Binary, Classification, Task, parse_task
+from bayesify.predictive.tasks import Auto, Task, TaskName, resolve_task
 
 __all__ = [
     "Likelihood",
@@ -75,24 +73,13 @@ def unwrap(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def default_task(output: Tensor) -> Task:
-    """The task of an output when nobody stated one (a plain model): one logit per row is a binary
-    classifier, ``[B, C]`` class logits otherwise; a dense output must state its task."""
-    if output.dim() == 2:
-        return Binary() if output.shape[-1] == 1 else Classification(-1)
-    raise ValueError(
-        f"the objective cannot tell what an output of shape {tuple(output.shape)} means; pass task= to the "
-        "Objective (or convert the model with task=...): e.g. 'classification' with class_axis, or 'regression'."
-    )
-
-
 def training_nll(
     logits: Tensor,
     labels: Tensor,
     *,
     components: int = 1,
     likelihood: Likelihood | str = Likelihood.AVERAGE,
-    task: Task | str | None = None,
+    task: Task | str = TaskName.CLASSIFICATION,
 ) -> Tensor:
     """The training objective's NLL term for outputs of the tiled (``[K*B, ...]``) or sampled (``[B, ...]``) route.
 
@@ -104,15 +91,16 @@ def training_nll(
         labels: the ``B`` labels of the batch (tiled here when the outputs are).
         components: K.
         likelihood: ``"average"`` or ``"mixture"``.
-        task: what the outputs mean (:mod:`bayesify.tasks`), which gives ``log p(y | output)``;
-            default: :func:`default_task`.
+        task: what the outputs mean (:mod:`bayesify.predictive.tasks`), which gives ``log p(y | output)``;
+            default: class logits (the loss of ``F.cross_entropy``; a one-logit output refuses, naming
+            ``task="binary"``).
 
     Raises:
         ValueError: outputs whose rows are neither B nor K * B, or the mixture likelihood on
             outputs that are not tiled.
     """
     likelihood = Likelihood.parse(likelihood, "likelihood")
-    task = default_task(logits) if task is None else parse_task(task)
+    task = resolve_task(task, needed_by="training_nll")
     rows, batch = logits.shape[0], labels.shape[0]
     if rows == batch and not (likelihood is Likelihood.MIXTURE and components > 1):
         return -task.log_likelihood(logits, labels).mean()
@@ -132,17 +120,6 @@ def training_nll(
         return -log_lik.mean()
     per_member = log_lik.view(components, batch)
     return -logmeanexp(per_member, 0).mean()
-
-
-def negative_log_likelihood(*args: object, **kwargs: object) -> Tensor:
-    """Deprecated name of :func:`training_nll` (it clashed with the evaluation metric of the same name)."""
-    warnings.warn(
-        "bayesify.training.negative_log_likelihood is deprecated: use training_nll (the objective's term) or "
-        "bayesify.evaluation.metrics.negative_log_likelihood (the predictive mixture's NLL).",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return training_nll(*args, **kwargs)  # type: ignore[arg-type]
 
 
 def _wide(t: Tensor) -> Tensor:
@@ -195,8 +172,8 @@ class Objective:
         kl_annealing_steps: steps over which the KL weight rises linearly to 1 (0: no annealing).
         likelihood: ``"average"`` (per-component NLL, default) or ``"mixture"``.
         l2_norm_layers: include normalisation-layer parameters in the L2 term (CIFAR reference).
-        task: what the outputs mean (``log p(y | output)``); default: the converted model's task, else
-            :func:`default_task`.
+        task: what the outputs mean (``log p(y | output)``); default: the model's task
+            (:func:`bayesify.inspection.model_task`), else class logits (as :func:`training_nll`).
     """
 
     num_train: int
@@ -213,7 +190,7 @@ class Objective:
             raise ValueError(f"l2={self.l2!r} must be >= 0 (reference: 1e-4 CIFAR-10, 3e-4 CIFAR-100).")
         self.likelihood = Likelihood.parse(self.likelihood, "likelihood")
         if self.task is not None:
-            self.task = parse_task(self.task)
+            self.task = resolve_task(self.task)
 
     def __call__(self, model: nn.Module, logits: Tensor, labels: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss and its parts (``nll``, ``kl``, ``kl_scale``, ``l2``, ``loss``; detached).
@@ -226,11 +203,9 @@ class Objective:
         """
         inner = unwrap(model)
         k = num_components(inner)
-        task = self.task
-        if task is None and is_converted(inner):
-            task = find_router(inner).task
-        if isinstance(task, Auto):
-            task = None
+        task = model_task(inner, self.task)
+        if isinstance(task, Auto):  # nobody said: the loss users write, F.cross_entropy (refuses a one-logit output)
+            task = TaskName.CLASSIFICATION
         nll = training_nll(logits, labels, components=k, likelihood=self.likelihood, task=task)
         loss = nll
         parts: dict[str, Tensor] = {"nll": nll.detach()}

@@ -1,4 +1,5 @@
-"""A run directory: what ``bayesify train`` leaves in ``--out``, and how a run is started, resumed or rebuilt.
+"""A run directory: what ``bayesify train`` leaves in ``--out``, and how a run is started, resumed or rebuilt
+(the trainer, :mod:`bayesify.training.trainer`, trains it; :mod:`bayesify.training.evaluate_run` evaluates it).
 
     OUT/checkpoint.pt     model, optimizer, schedule, scaler, step / epoch / batch, config, RNG states
     OUT/metrics.jsonl     one JSON line per log window and per evaluation
@@ -19,9 +20,9 @@ from torch import nn
 import bayesify
 from bayesify.training.checkpoint import load_checkpoint
 from bayesify.training.config import TrainConfig
-from bayesify.tasks import Task, TaskName
+from bayesify.predictive.tasks import Task, TaskName
 from bayesify.training.recipes import apply_preset
-from bayesify.zoo.data import DataBundle, load_data
+from bayesify.zoo.data import DataBundle
 from bayesify.zoo.models import create_model
 from bayesify.zoo.weights import load_weights
 
@@ -36,7 +37,6 @@ __all__ = [
     "restore_model",
     "resume_run_config",
     "run_task",
-    "train",
 ]
 
 CHECKPOINT = "checkpoint.pt"
@@ -77,7 +77,7 @@ def build_model(config: TrainConfig, bundle: DataBundle) -> nn.Module:
     return model
 
 
-def _without_start_weights(config: TrainConfig) -> TrainConfig:
+def without_start_weights(config: TrainConfig) -> TrainConfig:
     """The config that rebuilds a run's model for its checkpoint: no download, no weights file (the checkpoint
     holds the weights)."""
     return dataclasses.replace(config, pretrained=False, weights=None)
@@ -135,21 +135,6 @@ def restore_model(
     config: TrainConfig, state: dict[str, Any], bundle: DataBundle
 ) -> nn.Module:
     """The run's model rebuilt and loaded with the checkpoint's weights (no pretrained download, no weights file)."""
-    model = build_model(_without_start_weights(config), bundle)
+    model = build_model(without_start_weights(config), bundle)
     model.load_state_dict(state["model"])
     return model
-
-
-def train(config: TrainConfig, *, download: bool = False) -> dict[str, Any]:
-    """Load the data, build the model and train it (a resumed run takes its weights from the checkpoint)."""
-    from bayesify.training.trainer import Trainer
-
-    bundle = load_data(config.data, config.data_dir, download=download, seed=0)
-    model = build_model(_without_start_weights(config) if config.resume else config, bundle)
-    try:
-        return Trainer(config, model, bundle).run()
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()

@@ -46,11 +46,11 @@ from bayesify.training.config import Precision, TrainConfig
 from bayesify.training.distributed import Distributed, setup
 from bayesify.training.objective import Objective, unwrap
 from bayesify.training.optim import WarmupStepDecay, build_optimizer, param_groups
-from bayesify.training.run import CHECKPOINT, METRICS, build_model, run_task
+from bayesify.training.run import CHECKPOINT, METRICS, build_model, run_task, without_start_weights
 from bayesify.training.sampler import ResumableBatchSampler
-from bayesify.zoo.data import DataBundle
+from bayesify.zoo.data import DataBundle, load_data
 
-__all__ = ["Precision", "TrainConfig", "Trainer", "build_model"]
+__all__ = ["Precision", "TrainConfig", "Trainer", "build_model", "train"]
 
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 # the metrics logged and printed after each evaluation (those the task has)
@@ -416,3 +416,14 @@ class Trainer:
         states: list[Any] = [None] * dist.world_size
         torch_dist.all_gather_object(states, state)
         return states
+
+
+def train(config: TrainConfig, *, download: bool = False) -> dict[str, Any]:
+    """Load the data, build the model and train it (a resumed run takes its weights from the checkpoint)."""
+    bundle = load_data(config.data, config.data_dir, download=download, seed=0)
+    model = build_model(without_start_weights(config) if config.resume else config, bundle)
+    try:
+        return Trainer(config, model, bundle).run()
+    finally:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from bayesify.options import Init, Posterior
 from bayesify.variational import distributions
-from bayesify.variational.kl import KLTerm, kl_divergence
+from bayesify.variational.divergence import KLTerm, kl_divergence
 from bayesify.variational.store import TableGroup
 
 if TYPE_CHECKING:

@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from bayesify.options import StrOption
+from bayesify.predictive.tasks import resolve_task
 
 __all__ = ["DataBundle", "DataKind", "InMemoryDataset", "data_names", "load_data"]
 
@@ -119,14 +120,7 @@ class DataBundle:
 
     def outputs(self, task: object | None = None) -> int:
         """How many outputs a model of this data needs for ``task`` (default: the data's own task)."""
-        from bayesify.tasks import Gaussian, Regression, parse_task
-
-        resolved = parse_task(self.task if task is None or str(task) == "auto" else task)
-        if isinstance(resolved, Gaussian):
-            return 2 * self.num_classes
-        if isinstance(resolved, Regression):
-            return self.num_classes
-        return self.num_classes
+        return resolve_task(task, stated=resolve_task(self.task)).output_size(self.num_classes)
 
     @property
     def in_channels(self) -> int:

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._quality_methods import FINETUNE_METHODS, METHODS  # noqa: E402
 from benchmarks._quality_tasks import DEFAULT_TASKS  # noqa: E402
-from benchmarks._regression_metrics import gaussian_mixture_metrics  # noqa: E402
+from benchmarks._quality_evaluation import gaussian_head_metrics  # noqa: E402
 
 pytest.importorskip("sklearn")
 pytest.importorskip("mnist1d")
@@ -111,13 +111,13 @@ def test_tuned_settings_are_taken_from_an_earlier_report(quick_run: Path, tmp_pa
     assert {k: m["config"] for k, m in again["methods"].items()} == {k: m["config"] for k, m in earlier["methods"].items()}
 
 
-def test_gaussian_mixture_metrics_match_the_formulas() -> None:
+def test_gaussian_head_metrics_match_the_formulas() -> None:
     generator = torch.Generator().manual_seed(0)
     mean = torch.randn(3, 50, generator=generator, dtype=torch.float64)
     log_var = 0.3 * torch.randn(3, 50, generator=generator, dtype=torch.float64)
     y = torch.randn(50, generator=generator, dtype=torch.float64)
     members = torch.stack([mean, log_var], dim=-1)
-    out = gaussian_mixture_metrics(members, y, y_std=2.0)
+    out = gaussian_head_metrics(members, y, y_std=2.0)
 
     normal = torch.distributions.Normal(mean, (0.5 * log_var).exp())
     mixture_density = normal.log_prob(y).exp().mean(0)
@@ -130,7 +130,7 @@ def test_gaussian_mixture_metrics_match_the_formulas() -> None:
 def test_one_gaussian_interval_is_the_textbook_one() -> None:
     # N(0, 1): the central 90% interval is +-1.6449; 3 of these 4 targets fall inside it
     members = torch.zeros(1, 4, 2, dtype=torch.float64)
-    out = gaussian_mixture_metrics(members, torch.tensor([0.0, 1.0, -1.6, 1.7], dtype=torch.float64))
+    out = gaussian_head_metrics(members, torch.tensor([0.0, 1.0, -1.6, 1.7], dtype=torch.float64))
     assert out["width"] == pytest.approx(2 * 1.6448536269514722, rel=1e-9)
     assert out["coverage"] == pytest.approx(0.75)
 

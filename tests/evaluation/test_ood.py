@@ -6,7 +6,7 @@ import torch
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 from bayesify.evaluation.ood import ood_metrics, ood_metrics_per_score, ood_scores
-from bayesify.uncertainty import binary_uncertainty, classification_uncertainty, regression_uncertainty
+from bayesify.predictive import binary_uncertainty, classification_uncertainty, regression_uncertainty
 
 
 def _sklearn(in_scores: torch.Tensor, out_scores: torch.Tensor) -> dict[str, float]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bayesify.evaluation.regression import CALIBRATION_LEVELS, regression_metrics
-from bayesify.uncertainty import regression_uncertainty
+from bayesify.predictive import regression_uncertainty
 
 
 def _normal_log_density(y: float, mu: float, var: float) -> float:

@@ -283,7 +283,7 @@ def test_packed_samples_follow_sorted_indices() -> None:
     model = bayesify.convert(Model().to(DT), components=K, posterior="delta")
     _randomise(model)
     seen: dict[str, Tensor] = {}
-    hook = model.lstm.register_forward_pre_hook(lambda m, a: seen.update(rows=m._rank1_context.rows.clone()))
+    hook = model.lstm.register_forward_pre_hook(lambda m, a: seen.update(rows=m._rank1_router.rows.clone()))
     x = torch.randn(6, T, F_IN, dtype=DT)
     lengths = torch.tensor([2, 4, 1, 3, 4, 2])
     model.train()
@@ -300,7 +300,7 @@ def test_mixture_of_packed_output_is_per_sequence() -> None:
     layer = bayesify.convert(copy.deepcopy(reference), components=K, posterior="delta")
     _randomise(layer)
     x = _input("packed", False)
-    with bayesify.mode(layer, route="mixture", reduction="mean", noise=False):
+    with bayesify.mode(layer, route="mixture", task="regression", noise=False):
         out, h = layer(x)
     expected = torch.stack([_member_module(layer, k)(x)[0].data for k in range(K)]).mean(0)
     torch.testing.assert_close(out.data, expected)

@@ -52,10 +52,21 @@ def test_sampled_route_outputs_use_labels_as_they_are():
     assert torch.allclose(training_nll(logits, labels, components=4), F.cross_entropy(logits, labels))
 
 
-def test_one_logit_binary_outputs_use_the_sigmoid():
+def test_one_logit_binary_outputs_use_the_sigmoid_when_the_task_says_so():
     logits, labels = torch.randn(6, 1), torch.randint(2, (6,))
     expected = F.binary_cross_entropy_with_logits(logits.squeeze(-1), labels.float())
-    assert torch.allclose(training_nll(logits, labels), expected)
+    assert torch.allclose(training_nll(logits, labels, task="binary"), expected)
+
+
+def test_a_one_logit_output_is_never_trained_as_a_softmax_over_one_class():
+    # bayesify does not guess from the shape: the default is class logits, and one column refuses in one line
+    with pytest.raises(ValueError, match=r"single class column .* use task='binary'"):
+        training_nll(torch.randn(6, 1), torch.randint(2, (6,)))
+    net = bayesify.convert(nn.Sequential(nn.Linear(3, 1)), components=2)
+    with pytest.raises(ValueError, match=r"use task='binary'"):
+        Objective(num_train=10)(net, net(torch.randn(4, 3)), torch.randint(2, (4,)), 0)
+    loss, _ = Objective(num_train=10, task="binary")(net, net(torch.randn(4, 3)), torch.randint(2, (4,)), 0)
+    assert torch.isfinite(loss)
 
 
 def test_rows_that_fit_no_route_raise_with_the_fix():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from bayesify.zoo.data import DataBundle, InMemoryDataset, load_data
-from bayesify.evaluation.run import evaluate_run, open_run
+from bayesify.training.evaluate_run import evaluate_run, open_run
 from bayesify.training import TrainConfig, Trainer, build_model
 
 FAST = {"corruptions": "contrast,frost", "severities": (1, 3), "max_examples": 24, "batch_size": 16, "min_size": 16}

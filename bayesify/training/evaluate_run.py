@@ -4,7 +4,7 @@
 
 From Python::
 
-    from bayesify.evaluation import evaluate_run
+    from bayesify.training import evaluate_run
     results = evaluate_run("runs/rank1", corruptions="all", baseline="runs/det")
     results["clean"]["ece"], results["corrupted"]["mean"]["ece"]
 
@@ -22,21 +22,23 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from bayesify.evaluation.corruptions import SEVERITIES, corrupt_images, parse_corruptions, parse_severities
+from bayesify.evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupt_images, parse_corruptions, parse_severities
 from bayesify.evaluation.evaluator import collect_members, compare_corruptions, ood_detection
 from bayesify.evaluation.metrics import member_log_probs_from_logits, mixture_log_probs, task_metrics
 from bayesify.evaluation.report import markdown_report, reliability_diagram, severity_plot, write_json
-from bayesify.tasks import Binary, Classification, Task
-
-if TYPE_CHECKING:
-    from bayesify.training import TrainConfig
-    from bayesify.zoo.data import DataBundle
+from bayesify.inspection import rank1_layers
+from bayesify.layers import Rank1Layer
+from bayesify.predictive.tasks import Binary, Classification, Task
+from bayesify.training.config import TrainConfig
+from bayesify.training.distributed import resolve_device
+from bayesify.training.run import EVALUATION, REPORT, load_run, restore_model, run_task
+from bayesify.zoo.data import DataBundle, DataKind, InMemoryDataset, data_names, load_data
 
 __all__ = ["LoadedRun", "evaluate_run", "open_run"]
 
@@ -93,10 +95,6 @@ def open_run(
     Raises:
         CheckpointError: no checkpoint, or an unreadable one (the message names the fix).
     """
-    from bayesify.training.distributed import resolve_device
-    from bayesify.training.run import load_run, restore_model, run_task
-    from bayesify.zoo.data import load_data
-
     directory = Path(out_dir)
     config, state = load_run(directory)
     if data is None:
@@ -154,8 +152,6 @@ def evaluate_run(
         >>> results = evaluate_run("runs/rank1", corruptions="fog,frost", baseline="runs/det")
         >>> results["corrupted"]["mean"]["accuracy"], results["baseline"]["corrupted"]["mean"]["accuracy"]
     """
-    from bayesify.training.distributed import resolve_device
-    from bayesify.zoo.data import DataKind
 
     _check_settings(samples=samples, batch_size=batch_size, max_examples=max_examples, min_size=min_size)
     names = None if corruptions is None else parse_corruptions(corruptions)
@@ -226,7 +222,6 @@ def evaluate_run(
         label=run.label,
         baseline=None if baseline is None else {**results["baseline"], "config": _shown_config(runs[0])},
     )
-    from bayesify.training.run import EVALUATION, REPORT  # the run directory's file names, spelled once
 
     report_path = run.directory / REPORT
     report_path.write_text(report)
@@ -237,8 +232,6 @@ def evaluate_run(
 
 def _shown_config(run: LoadedRun) -> dict[str, Any]:
     """The run's configuration for the report, an unset scale shown as the value it resolved to and why."""
-    from bayesify.inspection import rank1_layers
-    from bayesify.layers import Rank1Layer
 
     config = run.config.to_dict()
     layers = [layer for _, layer in rank1_layers(run.model)]
@@ -262,8 +255,6 @@ def _shown_config(run: LoadedRun) -> dict[str, Any]:
 def _ood_set(spec: str, run: LoadedRun, test: Dataset, data_dir: str | os.PathLike | None) -> tuple[Dataset, str]:
     """The out-of-distribution set ``spec`` names (see :func:`evaluate_run`), shaped as the test inputs,
     and what it is, in words (for the report)."""
-    from bayesify.evaluation.corruptions import CORRUPTIONS
-    from bayesify.zoo.data import InMemoryDataset, data_names, load_data
 
     inputs = torch.stack([test[i][0] for i in range(len(test))])
     labels = torch.zeros(len(inputs), dtype=torch.long)  # OOD targets are never read
@@ -312,7 +303,6 @@ def _check_settings(*, samples: int | None, batch_size: int, max_examples: int |
 
 
 def _load_baseline(directory: str | os.PathLike, run: LoadedRun, device: str | torch.device) -> LoadedRun:
-    from bayesify.training.run import load_run
 
     saved, _ = load_run(directory)
     if saved.data != run.config.data:

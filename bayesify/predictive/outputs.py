@@ -1,0 +1,130 @@
+"""A model's output structure reduced by its task: which task each leaf has, and the mixture of its members.
+
+The router tiles a batch for the members and hands the tiled output here with the batch axis of
+each leaf; this module decides, leaf by leaf, what the members reduce to (the leaf's task, see
+:meth:`~bayesify.predictive.tasks.Task.for_output`), reduces packed sequences per sequence, and
+lets a task finish the structure (a Hugging Face ``loss`` recomputed from the mixture's logits).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
+
+from bayesify.mixture import split_members
+from bayesify.predictive.tasks import Auto, Task
+
+__all__ = ["is_packed", "leaf_task", "output_key", "primary_output", "reduce_output"]
+
+
+def is_packed(value: object) -> bool:
+    return isinstance(value, PackedSequence)
+
+
+def output_key(path: tuple) -> Any:
+    """The top-level key, attribute or index of an output leaf's path (None for a bare tensor)."""
+    if not path:
+        return None
+    entry = path[0]
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return None
+
+
+def leaf_task(task: Task, key: Any, model: nn.Module, leaf: object = None, members: int | None = None) -> Task:
+    """The task of the output leaf at top-level ``key`` (None: the output itself); ``model`` and ``leaf`` name
+    what the one-line error is about when nobody said what the leaf means."""
+    if isinstance(task, Auto):
+        shape = f" of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else ""
+        reduce = f", so it cannot reduce its {members} members to one prediction" if members else ""
+        raise ValueError(
+            f"bayesify does not know what the output{shape} of {type(model).__name__} means{reduce}; say it with "
+            "bayesify.convert(model, task=...) or bayesify.mode(model, task=...): 'classification' (softmax), 'binary' "
+            "or 'multilabel' (sigmoids), 'regression' (mean), 'gaussian' (mean, log-variance), or 'members' (no "
+            "reduction)."
+        )
+    found = task.for_output(key)
+    if found is None:
+        raise ValueError(
+            f"task={task} names no task for the output {key!r} of {type(model).__name__}; add {key!r} to the task "
+            "mapping."
+        )
+    return found
+
+
+def reduce_output(
+    model: nn.Module,
+    output: object,
+    task: Task,
+    *,
+    members: int,
+    batch: int,
+    axis: int | None,
+    axes: list[int | None],
+    inputs: dict,
+) -> object:
+    """The mixture predictive of a tiled ``output`` (``members * batch`` rows at each leaf's batch axis ``axes``;
+    ``axis`` None: one unbatched example, the members along the leaf's axis); ``inputs``: the call's keyword
+    arguments (a task may read them, e.g. a Hugging Face model's ``labels``)."""
+    leaves, tree = tree_flatten_with_path(output, is_leaf=is_packed)
+
+    def reduce(path: tuple, t: object, dim: int | None) -> object:
+        key = output_key(path)
+        if isinstance(t, PackedSequence):
+            return _reduce_packed(t, members, batch, leaf_task(task, key, model, t, members))
+        tiled = (
+            isinstance(t, Tensor) and t.is_floating_point() and dim is not None and t.dim() > dim
+            and (axis is None or t.shape[dim] == members * batch)
+        )  # fmt: skip
+        if not tiled or task.recomputes(key):
+            return t
+        stacked = t.movedim(dim, 0) if axis is None else split_members(t, members, dim)
+        return leaf_task(task, key, model, stacked[0], members).reduce(stacked)
+
+    reduced = [(output_key(path), reduce(path, t, d)) for (path, t), d in zip(leaves, axes)]
+    return tree_unflatten(task.finish(model, reduced, inputs), tree)
+
+
+def primary_output(output: object) -> tuple[Tensor, object]:
+    """The output an uncertainty is about: the tensor, a Hugging Face ``logits``, a segmentation ``out``, or a
+    tuple's first element; with its key."""
+    if isinstance(output, Tensor):
+        return output, None
+    if isinstance(output, dict):
+        for key in ("logits", "out"):
+            if isinstance(output.get(key), Tensor):
+                return output[key], key
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0], 0
+    raise ValueError(
+        f"bayesify.uncertainty cannot tell which part of an output of type {type(output).__name__} to decompose; "
+        "call bayesify.predict and pass the members to classification_uncertainty / regression_uncertainty."
+    )
+
+
+def _reduce_packed(packed: PackedSequence, tiles: int, batch: int, task: Task) -> object:
+    """The mixture of a packed output of ``tiles * batch`` member-major sequences (any sorted order)."""
+    data, batch_sizes, sorted_indices, unsorted_indices = packed
+    if not data.is_floating_point() or int(batch_sizes[0]) != tiles * batch or bool((batch_sizes % tiles).any()):
+        return packed
+    steps, count = batch_sizes.numel(), tiles * batch
+    device = data.device
+    if sorted_indices is None:
+        sorted_indices = unsorted_indices = torch.arange(count, device=device)
+    # reduced order: the order of member 0's copies; row (t, q) gathers member k of sequence order[q]
+    order = torch.argsort(unsorted_indices[:batch])
+    sizes = batch_sizes // tiles
+    offsets = (torch.cumsum(batch_sizes, 0) - batch_sizes).to(device)
+    step = torch.repeat_interleave(torch.arange(steps, device=device), sizes.to(device))
+    position = torch.arange(step.numel(), device=device) - (torch.cumsum(sizes, 0) - sizes).to(device)[step]
+    members = torch.arange(tiles, device=device) * batch
+    index = offsets[step].unsqueeze(0) + unsorted_indices[members.unsqueeze(1) + order[position].unsqueeze(0)]
+    reduced = task.reduce(data[index])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(batch, device=device)
+    return PackedSequence(reduced, sizes, order, inverse)
