@@ -8,14 +8,15 @@ the model's root module by two hooks that run around each forward pass:
   set), tiles the inputs along the batch when the route needs it, and records the component of
   every row in a :class:`ForwardState`, so that every layer routes an example through the *same*
   component;
-* after it, the router reduces tiled outputs to the mixture predictive when the route asks.
+* after it, when the route asks for the mixture, the router hands the tiled output, with the batch axis of
+  each leaf, to :func:`bayesify.predictive.outputs.reduce_output` (what each leaf means is the task's business).
 
 Layers ask :meth:`Router.rows_for` for the component of each row of *their* input, which also
 covers layers that fold extra axes into the batch (window attention: ``[B * windows, ...]``).
 
 The router keeps three things apart: the model's settings (its :class:`~bayesify.config.Rank1Config`),
 the ``mode()`` stack (:attr:`Router.overrides`), and the state of the forward pass in flight
-(:attr:`Router.state`). The member layout and reductions live in :mod:`bayesify.mixture`.
+(:attr:`Router.state`). The member layout lives in :mod:`bayesify.mixture`.
 
 A ``PackedSequence`` is one leaf: its batch is ``batch_sizes[0]`` sequences, tiled and reduced
 per sequence. A converted layer used as the model says where the batch lies in each leaf of
@@ -250,7 +251,7 @@ class Router:
 
     def begin(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         spec = self.resolve(module.training)
-        if args and _is_example_list(args[0]):
+        if args and is_example_list(args[0]):
             return self._begin_list(module, spec, args, kwargs)
         leaves, tree = tree_flatten((args, kwargs), is_leaf=is_packed)
         first = next((t for t in leaves if isinstance(t, (Tensor, PackedSequence))), None)
@@ -414,7 +415,7 @@ def member_rows(components: int, rows_each: int, device: torch.device) -> Tensor
     return torch.arange(components, device=device)[:, None].expand(components, rows_each).reshape(-1)
 
 
-def _is_example_list(value: object) -> bool:
+def is_example_list(value: object) -> bool:
     # a plain list (or tuple) of tensors, one per example; not a PackedSequence or another named tuple
     return type(value) in (list, tuple) and len(value) > 0 and all(isinstance(v, Tensor) for v in value)
 

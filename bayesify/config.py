@@ -192,7 +192,7 @@ class Rank1Config:
     def from_options(cls, base: "Rank1Config | None" = None, **options: Any) -> "Rank1Config":
         """``base`` (default: the defaults) with ``options`` applied; unknown names raise a TypeError listing them all."""
         if "reduction" in options:  # release 0.1's name, removed in 0.3
-            raise TypeError(_REDUCTION_REMOVED)
+            raise TypeError(REDUCTION_REMOVED)
         unknown = sorted(set(options) - set(cls.option_names()))
         if unknown:
             raise TypeError(
@@ -229,7 +229,7 @@ class Rank1Config:
         return plain
 
 
-_REDUCTION_REMOVED = (
+REDUCTION_REMOVED = (
     "reduction= was removed in release 0.3; pass task= instead: 'classification' (was 'logits'), 'binary' (was "
     "'binary_logits') or 'regression' (was 'mean')."
 )

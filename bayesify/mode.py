@@ -8,8 +8,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from bayesify._router import RouteSpec, _is_example_list, find_root, find_router, split_output
-from bayesify.config import _REDUCTION_REMOVED
+from bayesify._router import RouteSpec, is_example_list, find_root, find_router, split_output
+from bayesify.config import REDUCTION_REMOVED
 from bayesify.options import Route, parse_option
 from bayesify.predictive.tasks import Task, resolve_task
 
@@ -65,7 +65,7 @@ def mode(
     if noise is not None and not isinstance(noise, bool):
         raise TypeError(f"noise={noise!r} must be True, False or None (the model's default).")
     if reduction is not None:
-        raise TypeError(_REDUCTION_REMOVED)
+        raise TypeError(REDUCTION_REMOVED)
     parsed = None if task is None and class_axis is None else resolve_task(task or "classification", class_axis=class_axis)
     router.overrides.append(RouteSpec(route, noise, samples, parsed, component))
     try:
@@ -103,7 +103,7 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
     if noise is None:
         noise = True if samples > 1 else router.default_noise(_training(model))
     with torch.no_grad():
-        if args and _is_example_list(args[0]):
+        if args and is_example_list(args[0]):
             outputs = []
             for k in range(router.components):
                 for _ in range(samples):
