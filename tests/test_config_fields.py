@@ -12,7 +12,7 @@ import bayesify
 from bayesify import cli
 from bayesify.config import Rank1Config
 from bayesify.options import StrOption
-from bayesify.training import TrainConfig, build_model
+from bayesify.training import build_model
 from bayesify.zoo.data import load_data
 
 FIELDS = dataclasses.fields(Rank1Config)

@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import bayesify
 

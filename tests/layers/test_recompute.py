@@ -9,7 +9,6 @@ activation checkpointing, and ``fold_weight``'s own backward is right (gradcheck
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
