@@ -25,7 +25,7 @@ class Summary:
 
     model: str
     components: int
-    task: str = "auto"  # what evaluation takes the output to mean (see bayesify.tasks)
+    task: str = "auto"  # what evaluation takes the output to mean (see bayesify.predictive)
     converted: list[tuple[str, str, int]] = field(default_factory=list)  # (name, type, params added)
     skipped: dict[str, str] = field(default_factory=dict)  # weight-bearing modules left as they were
     bypassed: dict[str, str] = field(default_factory=dict)  # converted, but not (fully) in the compute path
@@ -46,7 +46,7 @@ class Summary:
             f"parameters: {self.original_parameters:,} original + {self.added_parameters:,} rank-1 "
             f"({100 * self.overhead:.2f}% overhead)",
             f"output: {self.task}" if self.task != "auto" else "output: not stated: pass task= to convert() before "
-            "evaluating (see bayesify.tasks)",
+            "evaluating (see bayesify.predictive)",
         ]
         if self.converted:
             width = max(len(n) for n, _, _ in self.converted) + 2

@@ -413,7 +413,7 @@ def parse_task(
         return CustomTask(value)
     accepted = ", ".join(repr(m.value) for m in TaskName)
     raise ValueError(
-        f"task={value!r} is not a task; pass one of {accepted}, a bayesify.tasks.Task, a function "
+        f"task={value!r} is not a task; pass one of {accepted}, a bayesify.predictive.Task, a function "
         "reduce(members) -> output, or a dict {output key: task}."
     )
 
