@@ -374,7 +374,9 @@ def main() -> None:
         rows += recurrent_rows(args, device)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {args.threads} threads"
-    extras = "".join(f", {e}" for e in (args.amp and f"autocast {args.amp}", args.compile and "torch.compile") if e)
+    # on CUDA the per-row scalings run as Triton kernels unless BAYESIFY_KERNELS=0 (bayesify/kernels): say which
+    kernels = device.type == "cuda" and f"fused kernels {'on' if bayesify.kernels.enabled() else 'off (BAYESIFY_KERNELS=0)'}"
+    extras = "".join(f", {e}" for e in (args.amp and f"autocast {args.amp}", args.compile and "torch.compile", kernels) if e)
     print(f"bayesify {bayesify.__version__}, torch {torch.__version__}, {where}{extras}, K={args.components}, "
           f"sampling={args.sampling}, median of {args.repeats}")  # fmt: skip
     print(f"command: python {' '.join(sys.argv)}\n")

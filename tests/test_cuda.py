@@ -187,6 +187,67 @@ def test_folded_blocks_agree_with_the_per_row_path(precision):
         assert _relative(grads[0][n], grads[1][n]) < tolerance * 10, n
 
 
+@pytest.mark.parametrize("name", ["torchvision/resnet18", "timm/vit_tiny_patch16_224", "lstm+attention"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_fused_kernels_agree_with_the_torch_ops(name, precision, monkeypatch):
+    # the per-row scalings as Triton kernels (bayesify/kernels) against the torch ops (BAYESIFY_KERNELS=0), on
+    # NCHW convolutions, [B, T, C] tokens and attention's [L, B, E]; the same draws, so the same function
+    pytest.importorskip("triton")
+    if DEVICE.type != "cuda":
+        pytest.skip("the kernels run on CUDA only (tests/kernels checks them in Triton's interpreter)")
+    from bayesify.kernels import scale
+
+    launches = {"backward": 0}
+    backward = scale.scale_shift_backward
+
+    def counted(*args, **kwargs):
+        launches["backward"] += 1
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(scale, "scale_shift_backward", counted)
+    factory, shape = _models()[name]
+    torch.manual_seed(0)
+    model = bayesify.convert(factory(), components=4, task="classification", sampling="example").to(DEVICE).train()
+    x = torch.randn(8, *shape, device=DEVICE)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    outputs, grads = [], []
+    for switch in ("1", "0"):
+        monkeypatch.setenv("BAYESIFY_KERNELS", switch)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with torch.autocast(DEVICE.type, dtype=dtype, enabled=precision != "fp32"):
+            out = model(x)
+        out.float().square().mean().backward()
+        outputs.append(out.float())
+        grads.append({n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+        if switch == "1":
+            assert launches["backward"] > 0, "the fused kernels did not run"
+            ran = launches["backward"]
+    assert launches["backward"] == ran  # the switch off: none
+    tolerance = 1e-5 if precision == "fp32" else 5e-2
+    assert _relative(outputs[0], outputs[1]) < tolerance
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[1]:
+        assert torch.isfinite(grads[0][n]).all(), n
+        assert _relative(grads[0][n], grads[1][n]) < tolerance * 10, n
+
+
+def test_fused_scaling_is_torch_mul_bitwise():
+    # x o s in float32 (the recomputed product of the backward pass): one rounding either way
+    pytest.importorskip("triton")
+    if DEVICE.type != "cuda":
+        pytest.skip("the kernels run on CUDA only")
+    from bayesify import kernels
+
+    for shape, axes in (((8, 33, 100), (0, -1)), ((8, 20, 15, 17), (0, 1))):
+        x = torch.randn(shape, device=DEVICE)
+        s = torch.randn(8, shape[axes[1]], device=DEVICE)
+        s_b = s.view(8, 1, -1) if axes[1] == -1 else s.view(8, -1, 1, 1)
+        plan = kernels.plan(x, s_b, None, *axes)
+        assert plan is not None
+        assert torch.equal(kernels.scale_shift(plan, x, s_b), x * s_b)
+
+
 def test_compile_training_step_runs():
     import torchvision
 

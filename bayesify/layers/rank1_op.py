@@ -28,11 +28,13 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from bayesify import kernels
 from bayesify.layers._recompute import recomputing
 
 __all__ = ["broadcast_rows", "dense_blocks", "fold_weight", "fold_weights", "rank1_affine", "rank1_folded", "run_blocks"]
@@ -80,15 +82,16 @@ def rank1_affine(
     if additive or core_bias is not None:
         return _rank1_affine_broadcast(x, core, s, r, offset, additive, batch_axis, channel_axis, core_bias)
     s = s.to(x.dtype)
-    scaled, s_b = _scale(x, s, _row_shape(s, x.dim(), batch_axis, channel_axis))
-    with recomputing(scaled, torch.mul, x, s_b):  # the core's saved copy of x o s: made again in backward
+    scaled, s_b, product = _scale(x, s, _row_shape(s, x.dim(), batch_axis, channel_axis), batch_axis, channel_axis)
+    with recomputing(scaled, product, x, s_b):  # the core's saved copy of x o s: made again in backward
         out = core(scaled)
     if r.dim() not in (2, out.dim()):  # values shaped for the input's layout, and the output has another
         r = r.reshape(r.shape[batch_axis], -1)
         offset = None if offset is None or offset.dim() == 2 else offset.reshape(offset.shape[batch_axis], -1)
     shape = _row_shape(r, out.dim(), batch_axis, channel_axis)
     offset_shape = None if offset is None else _row_shape(offset, out.dim(), batch_axis, channel_axis)
-    return _scale_shift(out, r.to(out.dtype), None if offset is None else offset.to(out.dtype), shape, offset_shape)
+    offset = None if offset is None else offset.to(out.dtype)
+    return _scale_shift(out, r.to(out.dtype), offset, shape, offset_shape, batch_axis, channel_axis)
 
 
 def _rank1_affine_broadcast(
@@ -129,7 +132,8 @@ def _rank1_affine_broadcast(
 # they are drawn ([rows, channels]) and are broadcast inside, so their gradients come back in that shape from one
 # multiply and one sum (autograd's own mul / addcmul take a scalar multiply per input of addcmul, and a sum and two
 # views per broadcast factor). On a GPU, where the step is launch-bound, that count is the time. Without gradients
-# (evaluation) or under forward-mode AD the plain ops run.
+# (evaluation) or under forward-mode AD the plain ops run. On CUDA each scaling is one fused Triton launch forward and
+# one backward where bayesify.kernels plans it (the torch ops here are the reference, and the CPU's path).
 
 
 def _row_shape(v: Tensor, ndim: int, batch_axis: int | None, channel_axis: int) -> tuple[int, ...] | None:
@@ -163,38 +167,52 @@ def _to_rows(t: Tensor, rows: torch.Size, shape: tuple[int, ...] | None) -> Tens
     return reduced if reduced.shape == rows else reduced.reshape(rows)
 
 
-def _scale(x: Tensor, s: Tensor, shape: tuple[int, ...] | None) -> tuple[Tensor, Tensor]:
-    """``(x o s, s as broadcast)`` for per-row ``s`` (``shape``: how it broadcasts against ``x``)."""
-    if _grad_wanted(x, s):
-        return _Scale.apply(x, s, shape)
+def _scale(
+    x: Tensor, s: Tensor, shape: tuple[int, ...] | None, batch_axis: int | None, channel_axis: int
+) -> tuple[Tensor, Tensor, Callable[[Tensor, Tensor], Tensor]]:
+    """``(x o s, s as broadcast, how to make x o s again)`` for per-row ``s`` (``shape``: how it broadcasts
+    against ``x``). The recipe is the op that made it (the fused kernel or ``torch.mul``): bitwise the same again."""
     s_b = s if shape is None else s.view(shape)
-    return x * s_b, s_b
+    fused = kernels.plan(x, s_b, None, batch_axis, channel_axis)
+    product = torch.mul if fused is None else functools.partial(kernels.scale_shift, fused)
+    if _grad_wanted(x, s):
+        scaled, s_b = _Scale.apply(x, s, shape, fused)
+        return scaled, s_b, product
+    return product(x, s_b), s_b, product
 
 
 def _scale_shift(
-    out: Tensor, r: Tensor, offset: Tensor | None, shape: tuple[int, ...] | None, offset_shape: tuple[int, ...] | None
+    out: Tensor,
+    r: Tensor,
+    offset: Tensor | None,
+    shape: tuple[int, ...] | None,
+    offset_shape: tuple[int, ...] | None,
+    batch_axis: int | None,
+    channel_axis: int,
 ) -> Tensor:
     """``out o r + offset`` for per-row ``r`` and ``offset`` (each broadcast against ``out`` as its shape says)."""
-    if _grad_wanted(out, r, offset):
-        return _ScaleShift.apply(out, r, offset, shape, offset_shape)
     r_b = r if shape is None else r.view(shape)
-    if offset is None:
-        return out * r_b
-    return torch.addcmul(offset if offset_shape is None else offset.view(offset_shape), out, r_b)
+    offset_b = offset if offset is None or offset_shape is None else offset.view(offset_shape)
+    fused = kernels.plan(out, r_b, offset_b, batch_axis, channel_axis)
+    if _grad_wanted(out, r, offset):
+        return _ScaleShift.apply(out, r, offset, shape, offset_shape, fused)
+    if fused is not None:
+        return kernels.scale_shift(fused, out, r_b, offset_b)
+    return out * r_b if offset_b is None else torch.addcmul(offset_b, out, r_b)
 
 
 class _Scale(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, s: Tensor, shape: tuple[int, ...] | None) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(x: Tensor, s: Tensor, shape: tuple[int, ...] | None, fused: kernels.Plan | None) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         s_b = s if shape is None else s.view(shape)
-        return x * s_b, s_b
+        return (x * s_b if fused is None else kernels.scale_shift(fused, x, s_b)), s_b
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-        x, s, shape = inputs
-        ctx.shape = shape
+        x, s, shape, fused = inputs
+        ctx.shape, ctx.fused = shape, fused
         ctx.mark_non_differentiable(output[1])  # the broadcast view of s, for the recomputation only
         ctx.set_materialize_grads(False)  # no zeros made for that output's (absent) gradient
         ctx.save_for_backward(x, s, output[1])
@@ -202,27 +220,35 @@ class _Scale(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor | None, _: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         if grad is None:
-            return None, None, None
+            return None, None, None, None
         x, s, s_b = ctx.saved_tensors
-        d_x = grad * s_b if ctx.needs_input_grad[0] else None
-        d_s = _to_rows(grad * x, s.shape, ctx.shape) if ctx.needs_input_grad[1] else None
-        return d_x, d_s, None
+        needs = ctx.needs_input_grad
+        if ctx.fused is not None:  # one launch (None back: this gradient's layout, or a double backward)
+            grads = kernels.scale_shift_backward(ctx.fused, grad, x, s_b, (needs[0], needs[1], False), s.shape, None)
+            if grads is not None:
+                return grads[0], grads[1], None, None
+        d_x = grad * s_b if needs[0] else None
+        d_s = _to_rows(grad * x, s.shape, ctx.shape) if needs[1] else None
+        return d_x, d_s, None, None
 
 
 class _ScaleShift(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(out: Tensor, r: Tensor, offset: Tensor | None, shape: tuple | None, offset_shape: tuple | None) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        out: Tensor, r: Tensor, offset: Tensor | None, shape: tuple | None, offset_shape: tuple | None, fused: kernels.Plan | None
+    ) -> Tensor:
         r_b = r if shape is None else r.view(shape)
-        if offset is None:
-            return out * r_b
-        return torch.addcmul(offset if offset_shape is None else offset.view(offset_shape), out, r_b)
+        offset_b = offset if offset is None or offset_shape is None else offset.view(offset_shape)
+        if fused is not None:
+            return kernels.scale_shift(fused, out, r_b, offset_b)
+        return out * r_b if offset_b is None else torch.addcmul(offset_b, out, r_b)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        out, r, offset, shape, offset_shape = inputs
-        ctx.shapes = (shape, offset_shape)
+        out, r, offset, shape, offset_shape, fused = inputs
+        ctx.shapes, ctx.fused = (shape, offset_shape), fused
         ctx.save_for_backward(out, r if shape is None else r.view(shape))  # r as broadcast: no view in backward
         ctx.rows = (r.shape, None if offset is None else offset.shape)
 
@@ -230,10 +256,15 @@ class _ScaleShift(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         out, r_b = ctx.saved_tensors
         shape, offset_shape = ctx.shapes
-        d_out = grad * r_b if ctx.needs_input_grad[0] else None
-        d_r = _to_rows(grad * out, ctx.rows[0], shape) if ctx.needs_input_grad[1] else None
-        d_offset = _to_rows(grad, ctx.rows[1], offset_shape) if ctx.needs_input_grad[2] else None
-        return d_out, d_r, d_offset, None, None
+        needs = ctx.needs_input_grad
+        if ctx.fused is not None:  # one launch (None back: this gradient's layout, or a double backward)
+            grads = kernels.scale_shift_backward(ctx.fused, grad, out, r_b, needs[:3], ctx.rows[0], ctx.rows[1])
+            if grads is not None:
+                return (*grads, None, None, None)
+        d_out = grad * r_b if needs[0] else None
+        d_r = _to_rows(grad * out, ctx.rows[0], shape) if needs[1] else None
+        d_offset = _to_rows(grad, ctx.rows[1], offset_shape) if needs[2] else None
+        return d_out, d_r, d_offset, None, None, None
 
 
 
