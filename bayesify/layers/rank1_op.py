@@ -176,8 +176,7 @@ def _scale(
     fused = kernels.plan(x, s_b, None, batch_axis, channel_axis)
     product = torch.mul if fused is None else functools.partial(kernels.scale_shift, fused)
     if _grad_wanted(x, s):
-        scaled, s_b = _Scale.apply(x, s, shape, fused)
-        return scaled, s_b, product
+        return _Scale.apply(x, s_b, fused), s_b, product
     return product(x, s_b), s_b, product
 
 
@@ -202,34 +201,31 @@ def _scale_shift(
 
 
 class _Scale(torch.autograd.Function):
+    # takes s already broadcast (a view of the drawn values, or those values where the draw ahead shaped them) and
+    # returns only x o s: a Function that returns an input (or a view made inside it) costs an alias op per call
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, s: Tensor, shape: tuple[int, ...] | None, fused: kernels.Plan | None) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        s_b = s if shape is None else s.view(shape)
-        return (x * s_b if fused is None else kernels.scale_shift(fused, x, s_b)), s_b
+    def forward(x: Tensor, s_b: Tensor, fused: kernels.Plan | None) -> Tensor:  # type: ignore[override]
+        return x * s_b if fused is None else kernels.scale_shift(fused, x, s_b)
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-        x, s, shape, fused = inputs
-        ctx.shape, ctx.fused = shape, fused
-        ctx.mark_non_differentiable(output[1])  # the broadcast view of s, for the recomputation only
-        ctx.set_materialize_grads(False)  # no zeros made for that output's (absent) gradient
-        ctx.save_for_backward(x, s, output[1])
+    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
+        x, s_b, fused = inputs
+        ctx.fused = fused
+        ctx.save_for_backward(x, s_b)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor | None, _: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        if grad is None:
-            return None, None, None, None
-        x, s, s_b = ctx.saved_tensors
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, s_b = ctx.saved_tensors
         needs = ctx.needs_input_grad
         if ctx.fused is not None:  # one launch (None back: this gradient's layout, or a double backward)
-            grads = kernels.scale_shift_backward(ctx.fused, grad, x, s_b, (needs[0], needs[1], False), s.shape, None)
+            grads = kernels.scale_shift_backward(ctx.fused, grad, x, s_b, (needs[0], needs[1], False), s_b.shape, None)
             if grads is not None:
-                return grads[0], grads[1], None, None
+                return grads[0], grads[1], None
         d_x = grad * s_b if needs[0] else None
-        d_s = _to_rows(grad * x, s.shape, ctx.shape) if needs[1] else None
-        return d_x, d_s, None, None
+        d_s = _to_rows(grad * x, s_b.shape, None) if needs[1] else None
+        return d_x, d_s, None
 
 
 class _ScaleShift(torch.autograd.Function):
