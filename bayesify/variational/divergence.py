@@ -42,6 +42,7 @@ __all__ = [
     "kl_divergence",
     "kl_normal_cauchy",
     "kl_normal_normal",
+    "normal_kl_sum",
     "total_kl",
 ]
 
@@ -162,6 +163,43 @@ def _resolve_packed(terms: Iterable[KLTerm]) -> list[KLTerm]:
     return plain
 
 
+class _NormalKLSum(torch.autograd.Function):
+    """``sum KL(N(loc, softplus(raw) + 1e-7) || N(mean, std))`` for Python-float ``mean`` / ``std``, in 12 ops
+    forward and 7 backward instead of 13 and ~18 (autograd of :func:`kl_normal_normal` after the softplus): on a
+    GPU a training step is launch-bound, and this runs every step. Per entry, with ``rho = sigma / std`` and
+    ``d = (loc - mean) / std``, the KL is ``(rho^2 - 1 + d^2 - 2 log rho) / 2``, summed with the ``- 1`` inside (at
+    the prior every entry is ~0, so the sum is: no large terms cancel); its gradient is ``d / std`` for ``loc`` and
+    ``(rho - 1 / rho) / std * sigmoid(raw)`` for ``raw``."""
+
+    @staticmethod
+    def forward(ctx: Any, loc: Tensor, raw: Tensor, mean: float, std: float) -> Tensor:  # type: ignore[override]
+        rho = positive_scale(raw) / std
+        d = (loc - mean) / std
+        summed = torch.sub(torch.addcmul(rho * rho - 1.0, d, d), torch.log(rho), alpha=2.0).sum()
+        ctx.save_for_backward(loc, raw)
+        ctx.rho, ctx.d, ctx.mean, ctx.std = rho, d, mean, std
+        return summed * 0.5
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        loc, raw = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a double backward: made again from the inputs, so that the graph reaches them
+            rho, d = positive_scale(raw) / ctx.std, (loc - ctx.mean) / ctx.std
+        else:
+            rho, d = ctx.rho, ctx.d
+        g = grad / ctx.std
+        d_loc = d * g if ctx.needs_input_grad[0] else None
+        d_raw = None
+        if ctx.needs_input_grad[1]:
+            d_raw = torch.sub(rho, rho.reciprocal()) * torch.sigmoid(raw) * g
+        return d_loc, d_raw, None, None
+
+
+def normal_kl_sum(loc: Tensor, raw: Tensor, prior_mean: float, prior_std: float) -> Tensor:
+    """``sum KL(N(loc, softplus(raw) + 1e-7) || N(prior_mean, prior_std))`` (see :class:`_NormalKLSum`)."""
+    return _NormalKLSum.apply(loc, raw, float(prior_mean), float(prior_std))
+
+
 def total_kl(terms: Iterable[KLTerm]) -> Tensor | None:
     """The summed KL of ``terms``: one concatenated pass per (posterior, prior, dtype, device) group.
 
@@ -175,7 +213,11 @@ def total_kl(terms: Iterable[KLTerm]) -> Tensor | None:
     for (posterior, prior, prior_mean, prior_std, _, _), group in groups.items():
         loc = group[0].loc if len(group) == 1 else torch.cat([t.loc.reshape(-1) for t in group])
         raw = group[0].raw if len(group) == 1 else torch.cat([t.raw.reshape(-1) for t in group])
-        sums.append(kl_divergence(posterior, loc, positive_scale(raw), prior, prior_mean, prior_std))
+        floats = not isinstance(prior_mean, Tensor) and not isinstance(prior_std, Tensor)
+        if posterior is Posterior.NORMAL and prior is Prior.NORMAL and floats:
+            sums.append(normal_kl_sum(loc, raw, prior_mean, prior_std))  # the default pair, in the fewest ops
+        else:
+            sums.append(kl_divergence(posterior, loc, positive_scale(raw), prior, prior_mean, prior_std))
     if not sums:
         return None
     if len(sums) == 1:

@@ -88,3 +88,33 @@ def test_model_kl_is_the_sum_of_its_layers_kl(options) -> None:
     assert total > 0  # layer "1" has a Normal posterior whatever the others have
     total.backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if ".rho" in n or "rank1_std" in n)
+
+
+@pytest.mark.parametrize("prior_mean,prior_std", [(1.0, 0.1), (0.0, 0.3)])
+def test_summed_normal_kl_equals_the_elementwise_formula(prior_mean: float, prior_std: float) -> None:
+    # the model's KL takes the default pair as one autograd Function (fewer ops); its value and gradients
+    # are those of kl_normal_normal after the softplus, and its gradient's gradient too
+    from bayesify.variational.distributions import scale as positive_scale
+    from bayesify.variational.divergence import normal_kl_sum
+
+    torch.manual_seed(0)
+    loc = (prior_mean + 0.3 * torch.randn(4, 7, dtype=torch.float64)).requires_grad_()
+    raw = (torch.randn(4, 7, dtype=torch.float64) - 3.0).requires_grad_()
+    fused = normal_kl_sum(loc, raw, prior_mean, prior_std)
+    plain = kl_normal_normal(loc, positive_scale(raw), prior_mean, prior_std).sum()
+    torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(fused, (loc, raw)), torch.autograd.grad(plain, (loc, raw))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    fn = lambda l, r: normal_kl_sum(l, r, prior_mean, prior_std)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (loc, raw))
+    assert torch.autograd.gradgradcheck(fn, (loc, raw))
+    with torch.no_grad():
+        assert float(normal_kl_sum(loc, raw, prior_mean, prior_std)) == pytest.approx(float(plain), rel=1e-12)
+    # float32, extreme values: finite, and the value as the elementwise formula's
+    loc32 = torch.tensor([1e6, -1e6, 1.0, 1.0], requires_grad=True)
+    raw32 = torch.tensor([-100.0, 1e6, -100.0, 1e6], requires_grad=True)
+    value = normal_kl_sum(loc32, raw32, prior_mean, prior_std)
+    g_loc, g_raw = torch.autograd.grad(value, (loc32, raw32))
+    assert torch.isfinite(value) and torch.isfinite(g_loc).all() and torch.isfinite(g_raw).all()
+    expected = kl_normal_normal(loc32.double(), positive_scale(raw32.double()), prior_mean, prior_std).sum()
+    assert float(value.detach()) == pytest.approx(float(expected), rel=1e-5)
