@@ -46,10 +46,12 @@ else
   run eager-resnet50-vit --models resnet50:224,vit_base_patch16_224:224 --batch 128 --repeats "$repeats" --peers
   run eager-gpt2 --models gpt2:256 --batch 16 --repeats "$repeats" --peers
   # the same default-route rows with the per-row scalings as torch ops instead of the fused Triton kernels
-  # (bayesify/kernels), to read what the kernels bring; TORCH_OPS_ROWS=0 leaves them out
+  # (bayesify/kernels), and with the backward kernels only, to read what the kernels bring; TORCH_OPS_ROWS=0
+  # leaves them out
   if [ "${TORCH_OPS_ROWS:-1}" != 0 ]; then
     BAYESIFY_KERNELS=0 run eager-torch-ops-resnet50 --models resnet50:224 --batch 128 --repeats "$repeats" --default-route-only
     BAYESIFY_KERNELS=0 run eager-torch-ops-gpt2 --models gpt2:256 --batch 16 --repeats "$repeats" --default-route-only
+    BAYESIFY_KERNELS=backward run eager-backward-kernels-gpt2 --models gpt2:256 --batch 16 --repeats "$repeats" --default-route-only
   fi
   run compiled --models "$compile_models" --batch 128 --repeats 5 --compile --default-route-only --peers
   [ -n "${COMPILE_GPT2:-}" ] && run compiled-gpt2 --models gpt2:256 --batch 16 --repeats 5 --compile --default-route-only

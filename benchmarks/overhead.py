@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import platform
 import sys
 from typing import Callable
@@ -276,13 +277,14 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
     rows = [
         [title, "training step, default route", "det at B", ratio("sample", "det@B"), count("sample", "det@B"),
          mem("sample", "det@B"), f"{seconds['det@B'] * 1e3:.0f} / {seconds['sample'] * 1e3:.0f}"],
-        [title, "training step, tiled route", "det at K*B", ratio("tile", "det@KB"), count("tile", "det@KB"),
-         mem("tile", "det@KB"), f"{seconds['det@KB'] * 1e3:.0f} / {seconds['tile'] * 1e3:.0f}"],
-        [title, f"evaluation, mixture of {k}", "det at K*B", ratio("mixture", "det eval@KB"), count("mixture", "det eval@KB"),
-         "-", f"{seconds['det eval@KB'] * 1e3:.0f} / {seconds['mixture'] * 1e3:.0f}"],
     ]  # fmt: skip
-    if "tile" not in steps:
-        rows = rows[:1]
+    if "tile" in steps:  # (not with --default-route-only: made only where their steps ran)
+        rows += [
+            [title, "training step, tiled route", "det at K*B", ratio("tile", "det@KB"), count("tile", "det@KB"),
+             mem("tile", "det@KB"), f"{seconds['det@KB'] * 1e3:.0f} / {seconds['tile'] * 1e3:.0f}"],
+            [title, f"evaluation, mixture of {k}", "det at K*B", ratio("mixture", "det eval@KB"), count("mixture", "det eval@KB"),
+             "-", f"{seconds['det eval@KB'] * 1e3:.0f} / {seconds['mixture'] * 1e3:.0f}"],
+        ]  # fmt: skip
     if "delta" in steps:
         rows.append([title, "BatchEnsemble training step", "det at B", ratio("delta", "det@B"), "-", "-", f"{seconds['delta'] * 1e3:.0f}"])
     if "peer" in steps:
@@ -375,7 +377,10 @@ def main() -> None:
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {args.threads} threads"
     # on CUDA the per-row scalings run as Triton kernels unless BAYESIFY_KERNELS=0 (bayesify/kernels): say which
-    kernels = device.type == "cuda" and f"fused kernels {'on' if bayesify.kernels.enabled() else 'off (BAYESIFY_KERNELS=0)'}"
+    from bayesify import kernels as fused
+
+    switch = os.environ.get(fused.SWITCH, "1")
+    kernels = device.type == "cuda" and f"fused kernels {'on' if fused.enabled() else 'off'} (BAYESIFY_KERNELS={switch})"
     extras = "".join(f", {e}" for e in (args.amp and f"autocast {args.amp}", args.compile and "torch.compile", kernels) if e)
     print(f"bayesify {bayesify.__version__}, torch {torch.__version__}, {where}{extras}, K={args.components}, "
           f"sampling={args.sampling}, median of {args.repeats}")  # fmt: skip

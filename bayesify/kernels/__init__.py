@@ -15,7 +15,9 @@ The kernels run when all of these hold, and the torch ops (the reference, and th
   gradients;
 * not inside ``torch.compile`` / ``torch.jit`` tracing: a compiled graph keeps the torch ops, which Inductor fuses
   itself, so the kernels need no fake implementation;
-* Triton imports, and ``BAYESIFY_KERNELS`` is not ``0`` (the switch, read at every call);
+* Triton imports, and ``BAYESIFY_KERNELS`` is not ``0`` (the switch, read at every call; ``backward``: the backward
+  kernels only, the forward scalings as torch's ``mul`` / ``addcmul``, one launch each as well, without the
+  kernels' Python-side planning per call: which is faster on a launch-bound step is for the GPU benchmark to say);
 * the layout reads as ``[rows, channels, inner]`` with one stride per axis: the batch axis (or none), the channel
   axis, and all other axes collapsing into one (tokens ``[B, T, C]``, ``[T, B, C]``, images NCHW or channels-last,
   ``[B, C]``). A transposed or sliced view whose other axes do not collapse takes the torch ops.
@@ -42,9 +44,13 @@ _DEVICES = {"cuda"}
 _DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})
 
 
+def _switch() -> str:
+    return os.environ.get(SWITCH, "1").strip().lower()
+
+
 def enabled() -> bool:
     """Whether the switch allows the kernels (``BAYESIFY_KERNELS`` unset or not ``0`` / ``false`` / ``off``)."""
-    return os.environ.get(SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+    return _switch() not in ("0", "false", "off", "no")
 
 
 @functools.cache
@@ -123,6 +129,7 @@ class Plan(NamedTuple):
     v: Values
     o: Values | None
     axes: tuple[int | None, int]
+    forward: bool  # the forward scaling by the kernel too (else torch's op; the backward by the kernel either way)
 
 
 def plan(a: Tensor, v: Tensor, o: Tensor | None, batch_axis: int | None, channel_axis: int) -> Plan | None:
@@ -136,11 +143,13 @@ def plan(a: Tensor, v: Tensor, o: Tensor | None, batch_axis: int | None, channel
     o_lay = None if o is None else _values(o, lay, batch_axis, channel_axis)
     if v_lay is None or (o is not None and o_lay is None):
         return None
-    return Plan(lay, v_lay, o_lay, (batch_axis, channel_axis))
+    return Plan(lay, v_lay, o_lay, (batch_axis, channel_axis), _switch() != "backward")
 
 
 def scale_shift(p: Plan, a: Tensor, v: Tensor, o: Tensor | None = None) -> Tensor:
     """``a o v (+ o)`` in one launch, as :func:`plan` planned it."""
+    if not p.forward:
+        return a * v if o is None else torch.addcmul(o, a, v)
     from bayesify.kernels import scale
 
     y = torch.empty_like(a)  # a's strides where a is dense, else contiguous: either reads as [rows, channels, inner]

@@ -134,6 +134,27 @@ def test_values_and_gradients_equal_torch(interpreted, spy, monkeypatch, layout,
             raise AssertionError(f"{name}: {e}") from None
 
 
+def test_backward_only_switch(interpreted, spy, monkeypatch):
+    # BAYESIFY_KERNELS=backward: the forward scalings as torch ops, their backward by the kernels
+    monkeypatch.setenv(kernels.SWITCH, "backward")
+    torch.manual_seed(1)
+    x, batch_axis, channel_axis = _activation("nchw", torch.float32)
+    s, r, o = (_per_row(x, batch_axis, channel_axis, "per-row", mean=m) for m in (1.0, 1.0, 0.0))
+    leaves = [t.requires_grad_() for t in (x, s, r, o)]
+    y = _affine(x, s, r, o, batch_axis, channel_axis)
+    y.square().sum().backward()
+    assert (spy.forward, spy.backward) == (0, 2)
+    grads = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    monkeypatch.setenv(kernels.SWITCH, "0")
+    expected = _affine(x, s, r, o, batch_axis, channel_axis)
+    expected.square().sum().backward()
+    assert torch.equal(y, expected)
+    for a, t in zip(grads, leaves):
+        _close(a, t.grad, torch.float32)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3])
 @pytest.mark.parametrize(
     "shape, batch_axis, channel_axis",
