@@ -8,7 +8,7 @@
 #
 # Each step has its own time limit (STEP_LIMIT, TEST_LIMIT seconds) and writes its table as soon as it ends, so a
 # run cut short keeps what it measured; COMPILE_MODELS / COMPILE_GPT2=1 choose the compiled rows (each compile
-# takes a minute or more); TORCH_OPS_ROWS=0 leaves out the rows without the fused kernels. bayesian-torch (the mean-field peer) is pure Python: where it is not installed, a copy of its package
+# takes a minute or more); KERNEL_ROWS=0 leaves out the rows with the fused kernels. bayesian-torch (the mean-field peer) is pure Python: where it is not installed, a copy of its package
 # directory put under .gpu_deps/ is used (PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,12 +45,12 @@ if [ "${1:-}" = "--smoke" ]; then
 else
   run eager-resnet50-vit --models resnet50:224,vit_base_patch16_224:224 --batch 128 --repeats "$repeats" --peers
   run eager-gpt2 --models gpt2:256 --batch 16 --repeats "$repeats" --peers
-  # the same default-route rows with the per-row scalings as torch ops instead of the fused Triton kernels
-  # (bayesify/kernels), and with the backward kernels only, to read what the kernels bring; TORCH_OPS_ROWS=0
-  # leaves them out
-  if [ "${TORCH_OPS_ROWS:-1}" != 0 ]; then
-    BAYESIFY_KERNELS=0 run eager-torch-ops-resnet50 --models resnet50:224 --batch 128 --repeats "$repeats" --default-route-only
-    BAYESIFY_KERNELS=0 run eager-torch-ops-gpt2 --models gpt2:256 --batch 16 --repeats "$repeats" --default-route-only
+  # the same default-route rows with the per-row scalings as the fused Triton kernels (bayesify/kernels, off by
+  # default: on an H200 they made GPT-2's step slower), and with the backward kernels only, to read what they bring;
+  # KERNEL_ROWS=0 leaves them out
+  if [ "${KERNEL_ROWS:-1}" != 0 ]; then
+    BAYESIFY_KERNELS=1 run eager-kernels-resnet50 --models resnet50:224 --batch 128 --repeats "$repeats" --default-route-only
+    BAYESIFY_KERNELS=1 run eager-kernels-gpt2 --models gpt2:256 --batch 16 --repeats "$repeats" --default-route-only
     BAYESIFY_KERNELS=backward run eager-backward-kernels-gpt2 --models gpt2:256 --batch 16 --repeats "$repeats" --default-route-only
   fi
   run compiled --models "$compile_models" --batch 128 --repeats 5 --compile --default-route-only --peers

@@ -376,7 +376,7 @@ def main() -> None:
         rows += recurrent_rows(args, device)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {args.threads} threads"
-    # on CUDA the per-row scalings run as Triton kernels unless BAYESIFY_KERNELS=0 (bayesify/kernels): say which
+    # on CUDA the per-row scalings run as Triton kernels with BAYESIFY_KERNELS=1 (off by default; bayesify/kernels): say which
     from bayesify import kernels as fused
 
     switch = os.environ.get(fused.SWITCH, "1")

@@ -15,12 +15,18 @@ The kernels run when all of these hold, and the torch ops (the reference, and th
   gradients;
 * not inside ``torch.compile`` / ``torch.jit`` tracing: a compiled graph keeps the torch ops, which Inductor fuses
   itself, so the kernels need no fake implementation;
-* Triton imports, and ``BAYESIFY_KERNELS`` is not ``0`` (the switch, read at every call; ``backward``: the backward
-  kernels only, the forward scalings as torch's ``mul`` / ``addcmul``, one launch each as well, without the
-  kernels' Python-side planning per call: which is faster on a launch-bound step is for the GPU benchmark to say);
+* Triton imports, and ``BAYESIFY_KERNELS`` is ``1`` (the switch, read at every call; **off by default**;
+  ``backward``: the backward kernels only, the forward scalings as torch's ``mul`` / ``addcmul``);
 * the layout reads as ``[rows, channels, inner]`` with one stride per axis: the batch axis (or none), the channel
   axis, and all other axes collapsing into one (tokens ``[B, T, C]``, ``[T, B, C]``, images NCHW or channels-last,
   ``[B, C]``). A transposed or sliced view whose other axes do not collapse takes the torch ops.
+
+Why off by default (measured on an NVIDIA H200, torch 2.11, bf16, K=4, 2026-11-27; ``benchmarks/overhead.py
+--device cuda --amp bf16 --default-route-only``, one process per row): the default-route step of GPT-2 small at
+16 x 256 tokens took 3.06x the deterministic step with the kernels, 2.88x with the backward ones only, and 1.80-2.07x
+with the torch ops (five runs); ViT-B/16 at B=128 1.55x with them against 1.46-1.66x without. The step is
+launch-bound on the host, and the kernels' planning per call (layout, strides, grid) costs more host time than the
+launches it saves. They stay, tested, for a faster planner (or CUDA graphs) to make them pay.
 """
 
 from __future__ import annotations
@@ -45,12 +51,12 @@ _DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64
 
 
 def _switch() -> str:
-    return os.environ.get(SWITCH, "1").strip().lower()
+    return os.environ.get(SWITCH, "0").strip().lower()
 
 
 def enabled() -> bool:
-    """Whether the switch allows the kernels (``BAYESIFY_KERNELS`` unset or not ``0`` / ``false`` / ``off``)."""
-    return _switch() not in ("0", "false", "off", "no")
+    """Whether the switch turns the kernels on (``BAYESIFY_KERNELS=1`` / ``true`` / ``on`` / ``backward``; unset: off)."""
+    return _switch() not in ("0", "false", "off", "no", "")
 
 
 @functools.cache

@@ -266,6 +266,8 @@ def test_where_the_kernels_stand_aside(interpreted, monkeypatch):
     monkeypatch.setenv(kernels.SWITCH, "0")
     assert kernels.plan(x, v, None, 0, 1) is None
     monkeypatch.delenv(kernels.SWITCH)
+    assert kernels.plan(x, v, None, 0, 1) is None  # off unless asked for
+    monkeypatch.setenv(kernels.SWITCH, "1")
     # a view whose other axes do not collapse into one stride
     assert kernels.plan(x[..., :3], v, None, 0, 1) is None
     # values varying along another axis than the batch and the channels, or another dtype
