@@ -5,6 +5,7 @@ from bayesify.training import Objective, TrainConfig, Trainer, build_model, para
 
 from bayesify.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from bayesify.training.config import Precision, TrainConfig
+from bayesify.training.fsdp import find_blocks, gather, is_sharded, shard
 from bayesify.training.objective import (
     Likelihood,
     Objective,
@@ -35,6 +36,9 @@ __all__ = [
     "build_model",
     "build_optimizer",
     "evaluate_run",
+    "find_blocks",
+    "gather",
+    "is_sharded",
     "kl_scale",
     "l2_penalty",
     "load_checkpoint",
@@ -43,6 +47,7 @@ __all__ = [
     "param_groups",
     "restore_model",
     "save_checkpoint",
+    "shard",
     "train",
     "training_nll",
 ]
