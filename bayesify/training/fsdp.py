@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["find_blocks", "gather", "is_sharded", "shard"]
+__all__ = ["find_blocks", "gather", "is_sharded", "shard", "whole"]
 
 BlockSpec = Iterable["type[nn.Module] | str"]
 
@@ -54,6 +54,18 @@ def is_sharded(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """``value`` in full on every rank: a sharded Parameter (``DTensor``) gathered, a partial sum over shards
+    (``p.pow(2).sum()`` of one) summed over the ranks; a plain tensor as it is. Autograd-aware: the backward
+    leaves each rank the gradient of its own shard (nothing to average), as for a full Parameter."""
+    if dist.is_available() and dist.is_initialized():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            return value.full_tensor()
+    return value
 
 
 def _class_names(spec: BlockSpec) -> tuple[set[type], set[str]]:
@@ -111,12 +123,7 @@ def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Mo
             found.extend(children)
             continue
         stack.extend(reversed(children))
-    if not found:
-        raise ValueError(
-            f"bayesify.training.shard found no repeated blocks in {type(model).__name__}; pass blocks= with the "
-            "classes to shard one by one (e.g. blocks=[MyBlock])."
-        )
-    return found
+    return found  # none: the root is the one unit (gathered whole for each pass; still sharded at rest)
 
 
 def _check_can_shard(model: nn.Module) -> None:
