@@ -9,18 +9,16 @@ before the optimizer is made::
     loss = F.cross_entropy(model(x), y) + bayesify.kl_loss(model, len(train_set))
 
 **Where the factors live.** Every factor and bias offset is a column of the flat store, ``[K, total]``
-Parameters on the converted root (``bayesify/variational/store.py``), so they belong to the root's FSDP unit:
-sharded over the ranks like every other Parameter (by rows, FSDP's ``Shard(0)``: with more ranks than K each
-rank holds one row, padded, which for Llama-2-7B shapes is 20 MB a rank; sharding by columns would need the
-width to divide by the number of ranks, which FSDP2 requires for a dimension other than 0). Why with the root and not
-with their blocks, or replicated: the root's forward pre-hook draws every table of the model for the pass at
-once (``Router.draw_ahead``), and FSDP's own pre-hook on the root, which runs first, has just gathered the
-root's unit, so the whole store is there in full at that moment with no extra collective; the gradient of the
-store is reduce-scattered with the root's other gradients, and its optimizer state is sharded. Replicated
-(``ignored_params``), FSDP would not average its gradient (a hand-written all-reduce every step) and every rank
-would hold its full Adam state. Measured (``benchmarks/fsdp_memory.py``, Llama-2-7B shapes, K=4): the store is
-0.3% of the parameters, and at 64 ranks replicating it would add more per rank than sharding saves elsewhere
-for it (see the table in ``docs/SCALING.md``).
+Parameters on the converted root (``bayesify/variational/store.py``), so they belong to the root's FSDP unit,
+sharded over the ranks like every other Parameter (by rows, FSDP2's ``Shard(0)``: it shards another dimension
+only when it divides evenly). Why with the root and not with their blocks, or replicated: the root's forward
+pre-hook draws every table of the model for the pass at once (``Router.draw_ahead``), and FSDP's own pre-hook
+on the root, which runs first, has just gathered the root's unit, so the whole store is there with no
+collective of its own; its gradient is reduce-scattered with the root's others and its optimizer state is
+sharded. Replicated (``ignored_params``), FSDP would not average its gradient (a hand-written all-reduce every
+step) and every rank would hold all of its Adam state. Measured (``benchmarks/fsdp_memory.py``, Llama-2-7B
+shapes, K=4: 20.3 M entries, 0.30% of the parameters), weights + gradients + Adam of the store per rank:
+309.4 MiB replicated, 77.4 MiB sharded at 4 ranks or more (one row of K each).
 
 **The KL.** ``kl_divergence`` of a sharded model is the KL of the whole model on every rank, counted once:
 inside or after a forward pass the root's unit is gathered (FSDP keeps the root unsharded between its forward
