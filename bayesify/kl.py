@@ -38,6 +38,18 @@ def kl_divergence(model: nn.Module) -> Tensor:
     if total is None:  # only delta posteriors (BatchEnsemble)
         first = next((p for layer in layers for p in layer.rank1_parameters()), None)
         return torch.zeros(()) if first is None else first.new_zeros(())
+    return _summed_over_ranks(total)
+
+
+def _summed_over_ranks(total: Tensor) -> Tensor:
+    """A model sharded with FSDP2, outside its forward pass: ``total`` is a partial sum (each rank's slice of
+    the store), a ``DTensor``. Its sum over the ranks, whose backward leaves each rank the gradient of its own
+    slice, so the KL is counted once in all (see ``bayesify/training/fsdp.py``)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(total, DTensor):
+            return total.full_tensor()
     return total
 
 

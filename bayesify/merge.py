@@ -68,6 +68,11 @@ def merge(model: nn.Module, component: int) -> nn.Module:
         raise ValueError(
             f"{type(model).__name__} has no rank-1 layers to merge; merge() takes a model returned by bayesify.convert."
         )
+    if _sharded(model):
+        raise ValueError(
+            f"{type(model).__name__} is sharded (FSDP); gather it first: plain = bayesify.training.gather(model, "
+            "into=<the same model, converted, unsharded>), then bayesify.merge(plain, component)."
+        )
     k = num_components(model)
     if isinstance(component, bool) or not isinstance(component, int) or not 0 <= component < k:
         raise ValueError(f"component={component!r} must be an integer in [0, {k}) (the model has K={k} components).")
@@ -129,3 +134,12 @@ def _parameter_holders(model: nn.Module) -> tuple[dict[int, set[tuple[int, str]]
     for name, param in model.named_parameters(remove_duplicate=False):
         names[id(param)].append(name)
     return holders, names
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 sharded ``model`` or a module in it (its weights are then pieces on each rank)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())

@@ -5,6 +5,7 @@ from bayesify.training import Objective, TrainConfig, Trainer, build_model, para
 
 from bayesify.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from bayesify.training.config import Precision, TrainConfig
+from bayesify.training.fsdp import find_blocks, gather, is_sharded, shard
 from bayesify.training.objective import (
     Likelihood,
     Objective,
@@ -16,6 +17,7 @@ from bayesify.training.optim import OptimizerName, WarmupStepDecay, build_optimi
 from bayesify.training.recipes import PRESETS, apply_preset
 from bayesify.training.run import build_model, load_run, restore_model
 from bayesify.training.sampler import ResumableBatchSampler
+from bayesify.training.sharded_checkpoint import load_sharded, save_sharded
 from bayesify.training.trainer import Trainer, train
 from bayesify.training.evaluate_run import LoadedRun, evaluate_run, open_run
 
@@ -35,14 +37,20 @@ __all__ = [
     "build_model",
     "build_optimizer",
     "evaluate_run",
+    "find_blocks",
+    "gather",
+    "is_sharded",
     "kl_scale",
     "l2_penalty",
     "load_checkpoint",
     "load_run",
+    "load_sharded",
     "open_run",
     "param_groups",
     "restore_model",
     "save_checkpoint",
+    "save_sharded",
+    "shard",
     "train",
     "training_nll",
 ]

@@ -16,7 +16,7 @@ from bayesify.options import Route, StrOption, option
 from bayesify.training.objective import Likelihood
 from bayesify.training.optim import OptimizerName
 
-__all__ = ["Precision", "TrainConfig"]
+__all__ = ["Precision", "Strategy", "TrainConfig"]
 
 
 class Precision(StrOption):
@@ -28,6 +28,16 @@ class Precision(StrOption):
     """bfloat16 autocast (CPU, recent GPUs, TPU); no loss scaling needed."""
     FP16 = "fp16"
     """float16 autocast with a GradScaler (GPUs)."""
+
+
+class Strategy(StrOption):
+    """How many processes (``torchrun --nproc-per-node N``) share the model."""
+
+    DDP = "ddp"
+    """Every process holds the whole model; gradients are averaged (DistributedDataParallel)."""
+    FSDP = "fsdp"
+    """The model is sharded over the processes (FSDP2 ``fully_shard`` of its blocks and root): for models larger
+    than one device. Checkpoints are distributed (``checkpoint.dcp``) and resume on any number of processes."""
 
 
 # conversion options a checkpoint of release 0.1 stored flat, and how they read now
@@ -77,6 +87,7 @@ class TrainConfig(Rank1Config):
     eval_every: int = option(1, "epochs between test-set evaluations (0: only at the end)")
     # system
     device: str = option("auto", "auto, cpu, cuda, cuda:N, xla")
+    strategy: Strategy = option(Strategy.DDP, "with torchrun: ddp (a whole model per process) or fsdp (sharded over the processes)")
     precision: Precision = option(Precision.FP32, "32, bf16 (autocast) or fp16 (autocast + GradScaler)")
     compile: bool = option(False, "torch.compile the model")
     num_workers: int = option(0, "data loader worker processes")
@@ -128,6 +139,15 @@ class TrainConfig(Rank1Config):
             raise ValueError(f"grad_clip={self.grad_clip!r} must be > 0 (or None: no clipping).")
         if self.pretrained and self.weights is not None:
             raise ValueError(f"pass --pretrained or --weights {self.weights}, not both (each sets the start weights).")
+        if self.strategy is Strategy.FSDP:
+            if str(self.device).startswith("xla"):
+                raise ValueError("strategy='fsdp' does not run on XLA (FSDP2 is CUDA / CPU); use --strategy ddp with --device xla.")
+            if self.deterministic:
+                raise ValueError("strategy='fsdp' shards a converted model; drop --deterministic, or use --strategy ddp.")
+            if self.precision is Precision.FP16:
+                raise ValueError("precision='fp16' needs a sharded grad scaler, which --strategy fsdp does not set up; use --precision bf16 (or 32).")
+            if self.compile:
+                raise ValueError("compile=True with strategy='fsdp' is untested here; drop --compile, or use --strategy ddp.")
         if self.adapter and self.deterministic:
             raise ValueError("--adapter trains the rank-1 parameters, which --deterministic does not add; drop one.")
         if self.adapter and not (self.pretrained or self.weights is not None):

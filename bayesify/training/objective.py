@@ -42,6 +42,7 @@ from bayesify.kl import kl_divergence, kl_scale
 from bayesify.mixture import logmeanexp
 from bayesify.options import StrOption
 from bayesify.predictive.tasks import Auto, Task, TaskName, resolve_task
+from bayesify.training.fsdp import whole
 
 __all__ = [
     "Likelihood",
@@ -144,9 +145,9 @@ def l2_penalty(model: nn.Module, *, norm_layers: bool = True) -> Tensor:
     terms: list[Tensor] = []
     for _, layer in rank1_layers(model):
         for offset, biases in layer.rank1_bias_offsets():
-            effective = offset
+            effective = whole(offset)  # sharded (FSDP): a bias of [out] and a [K, out] offset, gathered
             for bias in biases:
-                effective = effective + bias.unsqueeze(0)
+                effective = effective + whole(bias).unsqueeze(0)
             terms.append(_wide(effective).pow(2).sum())
             skip.update(id(b) for b in biases)
     seen: set[int] = set()
@@ -154,7 +155,7 @@ def l2_penalty(model: nn.Module, *, norm_layers: bool = True) -> Tensor:
         if id(p) in skip or id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
-        terms.append(_wide(p).pow(2).sum())
+        terms.append(whole(_wide(p).pow(2).sum()))  # sharded: each rank's sum of squares, summed over the ranks
     if not terms:
         p = next(model.parameters(), None)
         return torch.zeros((), device=None if p is None else p.device)

@@ -42,16 +42,19 @@ from bayesify.evaluation.evaluator import evaluate
 from bayesify.inspection import num_components
 from bayesify.options import Route
 from bayesify.training.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from bayesify.training.config import Precision, TrainConfig
+from bayesify.training.config import Precision, Strategy, TrainConfig
 from bayesify.training.distributed import Distributed, setup
+from bayesify.training.fsdp import shard
 from bayesify.training.objective import Objective, unwrap
 from bayesify.training.optim import WarmupStepDecay, build_optimizer, param_groups
 from bayesify.training.run import CHECKPOINT, METRICS, build_model, run_task, without_start_weights
 from bayesify.training.sampler import ResumableBatchSampler
+from bayesify.training.sharded_checkpoint import load_sharded, save_sharded
 from bayesify.zoo.data import DataBundle, load_data
 
 __all__ = ["Precision", "TrainConfig", "Trainer", "build_model", "train"]
 
+SHARDED_CHECKPOINT = "checkpoint.dcp"  # beside checkpoint.pt, with --strategy fsdp
 _AUTOCAST = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 # the metrics logged and printed after each evaluation (those the task has)
 _HEADLINE = ("nll", "accuracy", "ece", "brier", "rmse", "calibration_error")
@@ -219,6 +222,13 @@ class Trainer:
         model = self.model.to(dist.device)
         converted = bayesify.is_converted(model)
         self._check_batch_fits_route(model, per_process, converted)
+        if cfg.strategy is Strategy.FSDP:
+            if not dist.ddp:
+                raise ValueError(
+                    "strategy='fsdp' shards the model over several processes: start with `torchrun --nproc-per-node N "
+                    "-m bayesify train ... --strategy fsdp` (one process: drop --strategy fsdp)."
+                )
+            shard(model)  # before the optimizer: it must hold the sharded Parameters
         sampler = ResumableBatchSampler(
             len(data.train), per_process, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size
         )
@@ -280,9 +290,19 @@ class Trainer:
 
     def _restore(self, run: _Run, state: dict[str, Any]) -> int:
         """Everything a checkpoint holds, back in place; returns the batch to continue from."""
-        run.model.load_state_dict(state["model"])
+        sharded = self.config.strategy is Strategy.FSDP
+        if sharded != ("sharded" in state):
+            saved = "fsdp" if "sharded" in state else "ddp"
+            raise ValueError(
+                f"{run.checkpoint} was written with --strategy {saved}; resume it with --strategy {saved} "
+                f"(its optimizer state is {'in ' + state['sharded'] if saved == 'fsdp' else 'one whole state'})."
+            )
         try:
-            run.optimizer.load_state_dict(state["optimizer"])
+            if sharded:  # model and optimizer from the distributed checkpoint, resharded to this run's processes
+                load_sharded(run.checkpoint.with_name(state["sharded"]), run.model, run.optimizer)
+            else:
+                run.model.load_state_dict(state["model"])
+                run.optimizer.load_state_dict(state["optimizer"])
         except ValueError as error:  # other groups: a checkpoint of an earlier release, or --adapter changed
             groups = ", ".join(g["name"] for g in run.optimizer.param_groups)
             raise ValueError(
@@ -301,7 +321,8 @@ class Trainer:
         return state["batch"]
 
     def _wrap(self, run: _Run) -> None:
-        run.train_model = run.dist.wrap(run.model)
+        # a sharded model is its own data-parallel wrapper (FSDP averages the gradients)
+        run.train_model = run.model if self.config.strategy is Strategy.FSDP else run.dist.wrap(run.model)
         if self.config.compile:
             if run.dist.xla:
                 raise ValueError("compile=True is not supported with device='xla' (XLA compiles graphs itself).")
@@ -358,7 +379,9 @@ class Trainer:
         run.log.write(record)
 
     def _evaluate(self, run: _Run) -> None:
-        if run.dist.is_main:
+        # a sharded model runs only with every process (each forward pass gathers the shards): all evaluate
+        sharded = self.config.strategy is Strategy.FSDP
+        if run.dist.is_main or sharded:
             results = evaluate(
                 run.model,
                 self.data.test,
@@ -368,6 +391,10 @@ class Trainer:
                 members=False,
                 task=self.task,
             )
+            if not run.dist.is_main:
+                self.results = {"rank": run.dist.rank}
+                run.dist.barrier()
+                return
             self.results = results
             metrics = {k: results[k] for k in _HEADLINE if isinstance(results.get(k), float)}
             run.log.write({"kind": "eval", "split": "test", "step": self.step, "epoch": self.epoch, **metrics})
@@ -383,10 +410,19 @@ class Trainer:
         if batch >= run.steps_per_epoch:  # saved after an epoch's last step: the next one starts fresh
             epoch, batch = epoch + 1, 0
         rng = self._gather_rng(run.dist)
+        sharded: dict[str, Any] = {}
+        if self.config.strategy is Strategy.FSDP:
+            # model and optimizer as a distributed checkpoint (each process its shards); the whole model also
+            # in checkpoint.pt, gathered on the CPU of process 0, for `bayesify evaluate`, merge and export
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            save_sharded(run.checkpoint.with_name(SHARDED_CHECKPOINT), run.model, run.optimizer)
+            full = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            sharded = {"model": full, "optimizer": {}, "sharded": SHARDED_CHECKPOINT}
         if run.dist.is_main:
+            whole = sharded or {"model": unwrap(run.model).state_dict(), "optimizer": run.optimizer.state_dict()}
             state = {
-                "model": unwrap(run.model).state_dict(),
-                "optimizer": run.optimizer.state_dict(),
+                **whole,
                 "scheduler": run.scheduler.state_dict(),
                 "scaler": run.scaler.state_dict(),
                 "step": self.step,

@@ -29,7 +29,8 @@ def scale(raw: Tensor) -> Tensor:
 
 def raw_scale(value: float) -> float:
     """The raw parameter whose :func:`scale` is ``value`` (the inverse, for initialisation)."""
-    return float(softplus_inverse(value - MIN_SCALE))
+    with torch.device("cpu"):  # a number, also when converting under `with torch.device("meta")` (no values there)
+        return float(softplus_inverse(value - MIN_SCALE))
 
 
 def rsample(family: Posterior, loc: Tensor, scale: Tensor | None) -> Tensor:

@@ -1,0 +1,203 @@
+"""FSDP2 for converted models: ``fully_shard`` on the blocks and the root, and gathering a sharded model back.
+
+Run under ``torchrun --nproc-per-node N`` (``gloo`` on the CPU, ``nccl`` on GPUs), after ``convert`` and
+before the optimizer is made::
+
+    model = bayesify.convert(net, components=4)
+    bayesify.training.shard(model)                         # fully_shard(block) for each block, then the root
+    optimizer = torch.optim.AdamW(model.parameters())      # made after shard: it sees the sharded Parameters
+    loss = F.cross_entropy(model(x), y) + bayesify.kl_loss(model, len(train_set))
+
+**Where the factors live.** Every factor and bias offset is a column of the flat store, ``[K, total]``
+Parameters on the converted root (``bayesify/variational/store.py``), so they belong to the root's FSDP unit,
+sharded over the ranks like every other Parameter (by rows, FSDP2's ``Shard(0)``: it shards another dimension
+only when it divides evenly). Why with the root and not with their blocks, or replicated: the root's forward
+pre-hook draws every table of the model for the pass at once (``Router.draw_ahead``), and FSDP's own pre-hook
+on the root, which runs first, has just gathered the root's unit, so the whole store is there with no
+collective of its own; its gradient is reduce-scattered with the root's others and its optimizer state is
+sharded. Replicated (``ignored_params``), FSDP would not average its gradient (a hand-written all-reduce every
+step) and every rank would hold all of its Adam state. Measured (``benchmarks/fsdp_memory.py``, Llama-2-7B
+shapes, K=4: 20.3 M entries, 0.30% of the parameters), weights + gradients + Adam of the store per rank:
+309.4 MiB replicated, 77.4 MiB sharded at 4 ranks or more (one row of K each).
+
+**The KL.** ``kl_divergence`` of a sharded model is the KL of the whole model on every rank, counted once:
+inside or after a forward pass the root's unit is gathered (FSDP keeps the root unsharded between its forward
+and backward) and the sum is over the full store; outside one the store is a sharded ``DTensor``,
+the sum of each rank's slice is a partial sum, and ``kl_divergence`` adds the slices up (an all-reduce whose
+backward leaves each rank the gradient of its own slice). Each rank's loss then holds the full KL once, and
+FSDP's mean over ranks of the gradients gives exactly the unsharded gradient.
+
+**A plain model back.** :func:`gather` loads the full state dict of a sharded model into an unsharded converted
+model built the same way (on the CPU, on rank 0 by default), for ``bayesify.merge``, export or a plain
+``torch.save``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["find_blocks", "gather", "is_sharded", "shard", "whole"]
+
+BlockSpec = Iterable["type[nn.Module] | str"]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` (or a module inside it) was sharded with FSDP2's ``fully_shard``."""
+    if not dist.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def whole(value: torch.Tensor) -> torch.Tensor:
+    """``value`` in full on every rank: a sharded Parameter (``DTensor``) gathered, a partial sum over shards
+    (``p.pow(2).sum()`` of one) summed over the ranks; a plain tensor as it is. Autograd-aware: the backward
+    leaves each rank the gradient of its own shard (nothing to average), as for a full Parameter."""
+    if dist.is_available() and dist.is_initialized():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            return value.full_tensor()
+    return value
+
+
+def _class_names(spec: BlockSpec) -> tuple[set[type], set[str]]:
+    types, names = set(), set()
+    for item in spec:
+        if isinstance(item, str):
+            names.add(item)
+        elif isinstance(item, type) and issubclass(item, nn.Module):
+            types.add(item)
+        else:
+            raise TypeError(f"blocks= takes module classes or class names, got {item!r}.")
+    return types, names
+
+
+def _is_block(module: nn.Module, types: set[type], names: set[str]) -> bool:
+    # a converted layer's class is a generated subclass of its original class: match either name
+    return isinstance(module, tuple(types)) or any(c.__name__ in names for c in type(module).__mro__)
+
+
+def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Module]:
+    """The modules to shard one by one before the root (each becomes one FSDP unit: gathered for its forward).
+
+    ``blocks`` names them by class (or class name). Without it: a Hugging Face model's ``_no_split_modules``
+    (its decoder layers), else the children of the outermost ``nn.Sequential`` / ``nn.ModuleList`` whose
+    children are two or more modules of one class (a timm ViT's ``blocks``, a torchvision ResNet's stages'
+    ``BasicBlock`` / ``Bottleneck``, most timm models' ``stages`` or ``blocks``).
+
+    Raises:
+        ValueError: no such module in ``model`` (pass ``blocks=`` with its block class).
+    """
+    if blocks is None:
+        no_split = getattr(model, "_no_split_modules", None)
+        if no_split:
+            blocks = list(no_split)
+    if blocks is not None:
+        types, names = _class_names(blocks)
+        found = [m for m in model.modules() if m is not model and _is_block(m, types, names)]
+        outermost = [m for m in found if not any(m is not o and m in set(o.modules()) for o in found)]
+        if not outermost:
+            wanted = sorted({t.__name__ for t in types} | names)
+            raise ValueError(f"blocks={wanted} matches no module of {type(model).__name__}; pass blocks= with its block classes.")
+        return outermost
+    found: list[nn.Module] = []
+    stack = [model]
+    while stack:  # pre-order: a matched container's subtree is not searched again
+        module = stack.pop()
+        children = list(module.children())
+        if (
+            module is not model
+            and isinstance(module, (nn.Sequential, nn.ModuleList))
+            and len(children) >= 2
+            and len({type(c) for c in children}) == 1
+            and any(p.requires_grad for c in children for p in c.parameters())
+        ):
+            found.extend(children)
+            continue
+        stack.extend(reversed(children))
+    return found  # none: the root is the one unit (gathered whole for each pass; still sharded at rest)
+
+
+def _check_can_shard(model: nn.Module) -> None:
+    from bayesify.inspection import is_converted
+
+    if not is_converted(model):
+        raise ValueError(f"{type(model).__name__} is not converted; call bayesify.convert(model) before shard(model).")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "bayesify.training.shard needs a process group: start with `torchrun --nproc-per-node N ...` and call "
+            "torch.distributed.init_process_group (or bayesify.training.setup()) first."
+        )
+    device = next(model.parameters()).device
+    if device.type == "xla":
+        raise ValueError("FSDP2 (fully_shard) does not run on XLA devices; use torch-xla's own SPMD / FSDP, or --strategy ddp.")
+    if device.type == "meta":
+        raise ValueError("shard a model with real weights (to_empty + load first), not one on the meta device.")
+
+
+def shard(
+    model: nn.Module,
+    *,
+    blocks: BlockSpec | None = None,
+    mesh: Any = None,
+    reshard_after_forward: bool | None = None,
+    mp_policy: Any = None,
+) -> nn.Module:
+    """``fully_shard`` each block of a converted ``model`` (see :func:`find_blocks`), then its root.
+
+    The root's unit holds everything outside the blocks: the embeddings, the head and bayesify's flat store of
+    factors (the module doc says why). Call it before making the optimizer.
+
+    Args:
+        model: a converted model (``bayesify.convert``), its weights on this rank's device.
+        blocks: module classes (or class names) to shard one by one; default: found (:func:`find_blocks`).
+        mesh, reshard_after_forward, mp_policy: passed to ``torch.distributed.fsdp.fully_shard``.
+
+    Returns:
+        ``model``, sharded in place.
+
+    Raises:
+        ValueError: ``model`` is not converted, there is no process group, or it is on XLA or the meta device.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    _check_can_shard(model)
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    for block in find_blocks(model, blocks):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def gather(model: nn.Module, into: nn.Module | Callable[[], nn.Module], *, rank0_only: bool = True) -> nn.Module | None:
+    """The full weights of a sharded converted ``model`` in an unsharded one, ``into``.
+
+    ``into`` is (or builds) the same network converted with the same options, unsharded, anywhere (the CPU;
+    built on the meta device it is materialised on the CPU). Every rank must call this (it gathers); with
+    ``rank0_only`` only rank 0 builds and returns ``into`` (the others get None). The result is a plain
+    converted model: ``bayesify.merge(result, component=k)``, ``torch.onnx.export``, ``torch.save``.
+
+    Example:
+        >>> plain = bayesify.training.gather(model, lambda: bayesify.convert(build(), components=4))
+        >>> if plain is not None:                       # rank 0
+        ...     member = bayesify.merge(plain, component=0)
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank0_only and dist.get_rank() != 0:
+        return None
+    target = into() if callable(into) and not isinstance(into, nn.Module) else into
+    if any(p.is_meta for p in target.parameters()):
+        target.to_empty(device="cpu")
+    target.load_state_dict(state)
+    return target
+

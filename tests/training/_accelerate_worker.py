@@ -1,0 +1,27 @@
+"""One side of tests/training/test_accelerate_fsdp.py, run by ``accelerate launch --config_file FSDP2.yaml``.
+
+The README's ``BayesianTrainer`` (tests/test_hf_trainer.py) trains a 2-layer GPT-2 for 3 steps; each rank prints
+what accelerate made of the FSDP config: the wrapper's class and how many Parameters are sharded (DTensors).
+"""
+
+import os
+import sys
+
+import torch
+from torch.distributed.tensor import DTensor
+from transformers import TrainingArguments
+
+from tests.test_hf_trainer import BayesianTrainer, counting_sequences, tiny_gpt2
+
+torch.manual_seed(0)
+model = tiny_gpt2()
+args = TrainingArguments(
+    output_dir=sys.argv[1], use_cpu=not torch.cuda.is_available(), report_to="none", save_strategy="no",
+    per_device_train_batch_size=4, learning_rate=1e-2, max_steps=3, logging_steps=1, disable_tqdm=True,
+)  # fmt: skip
+trainer = BayesianTrainer(model=model, args=args, train_dataset=counting_sequences(32, 0))
+result = trainer.train()
+assert torch.isfinite(torch.tensor(result.training_loss)), result
+sharded = sum(isinstance(p, DTensor) for p in trainer.model.parameters())
+total = len(list(trainer.model.parameters()))
+print(f"accelerate-worker rank {os.environ.get('RANK')}: wrapper={type(trainer.model_wrapped).__name__} sharded={sharded}/{total}")
