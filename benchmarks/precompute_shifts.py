@@ -25,9 +25,9 @@ from torch import Tensor
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bayesify.evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupt_images  # noqa: E402
-from benchmarks._quality_tasks import Scale, build_task, validation_view  # noqa: E402
-from benchmarks.quality import DEFAULT_CACHE, DEFAULT_DATA  # noqa: E402
+from bayesify.evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupt_images
+from benchmarks._quality_tasks import Scale, build_task, validation_view
+from benchmarks.quality import DEFAULT_CACHE, DEFAULT_DATA
 
 
 def _one(job: tuple[Tensor, str, int]) -> tuple[str, Tensor]:
