@@ -156,7 +156,8 @@ def ece_floor(task: Task, seeds: int, lr: float, draws: int = 200) -> str:
 
 
 def summarize(log: Path, tasks: list[str] | None, variants: list[str] | None, means_rows: bool = True) -> str:
-    """Markdown tables, one per task: mean +- std over seeds of the validation metrics, per variant."""
+    """Markdown tables, one per task: mean +- std over seeds of the validation metrics, per variant; percentages
+    against deterministic's mean over the same seeds."""
     rows: dict[tuple[str, str], list[dict]] = {}
     for line in log.read_text().splitlines():
         r = json.loads(line)
@@ -164,12 +165,11 @@ def summarize(log: Path, tasks: list[str] | None, variants: list[str] | None, me
             rows.setdefault((r["task"], r["variant"]), []).append(r)
             if means_rows and "eval_means" in r:  # the same nets evaluated with their K posterior means
                 rows.setdefault((r["task"], r["variant"] + " [means]"), []).append(
-                    {**r["eval_means"], "train_s": r["train_s"], "end": r["end"], "init": r["init"]}
+                    {**r["eval_means"], "seed": r["seed"], "train_s": r["train_s"], "end": r["end"], "init": r["init"]}
                 )
     out = []
     for task in dict.fromkeys(t for t, _ in rows):
-        base = rows.get((task, "deterministic"))
-        ref = {k: statistics.fmean(r[k] for r in base) for k in ("nll", "ece", "c_nll")} if base else {}
+        base = rows.get((task, "deterministic")) or []
         out += [f"### {task} (validation split)", "",
                 "| variant | seeds | NLL | acc | ECE | cNLL | cA | cECE | conf-acc | disagree | KL/N init->end | scale end "
                 "| train s |",
@@ -178,6 +178,9 @@ def summarize(log: Path, tasks: list[str] | None, variants: list[str] | None, me
             if t != task:
                 continue
             base_variant = variant.removesuffix(" [means]")
+            # percentages against deterministic on the same seeds (a variant run on fewer seeds is compared paired)
+            paired = [r for r in base if r.get("seed") in {run.get("seed") for run in runs}]
+            ref = {k: statistics.fmean(r[k] for r in paired) for k in ("nll", "ece", "c_nll")} if paired else {}
 
             def cell(key: str, digits: int = 4) -> str:
                 values = [r[key] for r in runs if key in r]
