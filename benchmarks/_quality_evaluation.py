@@ -114,13 +114,16 @@ def ood_evaluation(
     from bayesify.evaluation import evaluate
     from bayesify.evaluation.ood import ood_metrics_per_score
     from bayesify.zoo.data import InMemoryDataset
+    from benchmarks._quality_methods import device
 
     via = method.evaluator_model(model)
     if via is not None:
         module, samples = via
         test = InMemoryDataset(task.x_test, task.y_test)
         ood = InMemoryDataset(task.x_ood, torch.zeros(len(task.x_ood), dtype=torch.long))
-        result = evaluate(module, test, samples=samples, ood=ood, task="classification", batch_size=500, members=False)
+        result = evaluate(
+            module, test, samples=samples, ood=ood, task="classification", batch_size=500, members=False, device=device()
+        )
         if samples == 1 and not math.isclose(float(result["nll"]), float(clean["nll"]), rel_tol=1e-4, abs_tol=1e-6):
             raise RuntimeError(
                 f"{method.key}: evaluate() gives test NLL {result['nll']:.6f}, the benchmark's members "

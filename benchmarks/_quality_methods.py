@@ -40,11 +40,29 @@ from torch import Tensor, nn
 import bayesify
 from benchmarks._quality_tasks import REGRESSION, Task
 
-__all__ = ["METHODS", "FINETUNE_METHODS", "Method", "Rank1", "likelihood_loss"]
+__all__ = ["METHODS", "FINETUNE_METHODS", "Method", "Rank1", "device", "likelihood_loss", "set_device"]
 
 EVAL_SAMPLES = 16  # stochastic passes of MC dropout and bayesian-torch; K x M of rank-1 (4 x 4)
 COMPONENTS = 4
 LOG_VAR_RANGE = (-12.0, 8.0)
+_DEVICE = torch.device("cpu")  # where models train and predict (``--device``); metrics are computed on the CPU
+
+
+def set_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` (or ``cuda:N``), or ``auto`` (CUDA where available): where models train and predict."""
+    global _DEVICE
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    chosen = torch.device(name)
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here (use --device cpu or auto)")
+    _DEVICE = chosen
+    return _DEVICE
+
+
+def device() -> torch.device:
+    """The device models train and predict on (see :func:`set_device`)."""
+    return _DEVICE
 
 
 def log_likelihood(outputs: Tensor, y: Tensor, task: Task) -> Tensor:
@@ -61,8 +79,9 @@ def likelihood_loss(outputs: Tensor, y: Tensor, task: Task) -> Tensor:
 
 
 def _batched(model_fn: Any, x: Tensor, chunk: int = 500) -> Tensor:
-    # members [S, B, out], evaluated in chunks of examples to bound memory (tiled batches are S x larger)
-    return torch.cat([model_fn(x[i : i + chunk]) for i in range(0, len(x), chunk)], dim=1)
+    # members [S, B, out], evaluated in chunks of examples to bound memory (tiled batches are S x larger);
+    # each chunk runs on the model's device, the members come back to the CPU (where the metrics are computed)
+    return torch.cat([model_fn(x[i : i + chunk].to(_DEVICE)).cpu() for i in range(0, len(x), chunk)], dim=1)
 
 
 @dataclass
@@ -127,7 +146,7 @@ class Temperature(Method):
 
     def after_training(self, model: nn.Module, task: Task) -> None:
         with torch.no_grad():
-            out = model.eval()(task.x_val)
+            out = _batched(lambda v: model.eval()(v).unsqueeze(0), task.x_val)[0]
         log_t = torch.zeros((), requires_grad=True)
         optimizer = torch.optim.LBFGS([log_t], lr=0.1, max_iter=200, line_search_fn="strong_wolfe")
 
@@ -202,7 +221,8 @@ class Rank1(Method):
     KL by K as well (the bound on the KL of the uniform mixture, instead of the reference's sum);
     ``factor_lr`` multiplies the learning rate of ``bayesify.rank1_parameters``; ``samples`` is M;
     ``likelihood="mixture"`` (tile route only) trains ``-log mean_k p(y | x, k)`` instead of the
-    mean over components of ``-log p(y | x, k)``.
+    mean over components of ``-log p(y | x, k)``; ``kl_warmup`` is the KL warm-up's length as a fraction
+    of the steps (None: the loop's 2/3).
     """
 
     key: str = "rank1"
@@ -217,6 +237,7 @@ class Rank1(Method):
     eval_noise: bool | None = None  # None: the library's default (the K posterior means); True: M samples each
     from_pretrained: bool = False
     factors_only: bool = False
+    kl_warmup: float | None = None  # the KL warm-up as a fraction of the steps (None: the loop's, 2/3)
 
     def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
         net = copy.deepcopy(task.pretrained[seed]) if self.from_pretrained else task.make_net(0.0)
@@ -243,6 +264,9 @@ class Rank1(Method):
     def loss(
         self, part: nn.Module, x: Tensor, y: Tensor, task: Task, kl_weight: float, step: int = 0, warmup: int = 0
     ) -> Tensor:
+        if self.kl_warmup is not None:  # the loop warms up over 2/3 of its steps: rescale to this fraction
+            warmup = max(1, round(warmup * 1.5 * self.kl_warmup))
+            kl_weight = min(1.0, (step + 1) / warmup)
         if task.loop == "plain" and self.route == "sample" and self.kl_scale == 1.0 and not self.kl_mean_over_components:
             # the README's two lines: the plain loss + bayesify.kl_loss with its own warm-up over `warmup` steps
             return F.cross_entropy(part(x), y) + bayesify.kl_loss(part, task.num_train, step=step, warmup_steps=warmup)

@@ -164,7 +164,15 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "device": _device_name(),
     }
+
+
+def _device_name() -> str:
+    from benchmarks._quality_methods import device
+
+    where = device()
+    return torch.cuda.get_device_name(where) if where.type == "cuda" else "cpu"
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -219,7 +227,7 @@ def write_report(
         "",
         f"Command: `{command}`  ",
         f"Machine: {info['platform']}, {info['cpu_count']} CPUs, Python {info['python']}, torch {info['torch']}, "
-        f"{info['threads']} thread(s); {date}; {seconds / 60:.1f} min in all.  ",
+        f"{info['threads']} thread(s), models on {info.get('device', 'cpu')}; {date}; {seconds / 60:.1f} min in all.  ",
         f"Tuning budget: {budget} validation run(s) per method (see `benchmarks/quality.py`).",
         "",
     ]

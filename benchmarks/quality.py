@@ -7,6 +7,7 @@
     python benchmarks/quality.py --seed-start 3 --seeds 2 --tuned benchmarks/results/quality.json --out /tmp/more
                                                        # two more seeds with the same settings; then --merge both
     python benchmarks/quality.py --tasks fashion-mnist-all --data-dir data --seeds 3   # Fashion-MNIST (make data)
+    python benchmarks/quality.py --tasks fashion-mnist-all --data-dir data --device cuda   # the same on a GPU (auto: if any)
 
 Every method is trained by the one loop below (:func:`train`): Adam, minibatches in an order
 drawn from a generator seeded by the seed alone (so every method sees the same batches), the
@@ -35,6 +36,11 @@ stochastic passes; ensembles: their members; deterministic: one), and the metric
 from them (``_quality_evaluation.py``). Times are ratios to the deterministic run of the same
 task and seed in the same process; they include what else ran on the machine (see the report).
 
+``--device`` (cpu, cuda, auto): where the models train and predict; the training split is moved there
+once, evaluation sets go there a chunk at a time and the members come back to the CPU, where every
+metric is computed (the same code on either device). ``benchmarks/gpu_fashion.sh`` runs the Fashion-MNIST
+tasks on one GPU machine as processes side by side (by task and group of methods), then ``--merge``.
+
 Writes ``quality.md``, ``quality.json`` and one ``quality_<task>.png`` per task to ``--out``
 (default ``benchmarks/results/``).
 """
@@ -58,7 +64,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/quality.py
 
 from bayesify.evaluation.metrics import member_log_probs_from_logits, negative_log_likelihood  # noqa: E402
 from benchmarks._quality_evaluation import evaluate_members, gaussian_head_metrics, ood_evaluation  # noqa: E402
-from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, likelihood_loss  # noqa: E402
+from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, device, likelihood_loss, set_device  # noqa: E402
 from benchmarks._quality_report import write_report  # noqa: E402
 from benchmarks._quality_tasks import DEFAULT_TASKS, REGRESSION, TASKS, Scale, Task, build_task, task_names  # noqa: E402
 
@@ -104,6 +110,8 @@ def train(
             optimizer.step()
             schedule.step()
             step += 1
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)  # the time of the work, not of its launch
     return time.perf_counter() - start
 
 
@@ -118,7 +126,7 @@ def fit(
         model = copy.deepcopy(base)
         method.after_training(model, task)
         return model, seconds
-    model = method.build(task, config.get("knob"), seed)
+    model = method.build(task, config.get("knob"), seed).to(device())
     seconds = 0.0
     if method.trains:
         for k, part in enumerate(method.parts(model)):
@@ -180,7 +188,7 @@ def tune(method: Method, task: Task, budget: int, trained_tuning: dict, log: Any
 def pretrain(task: Task, seed: int, lr: float) -> nn.Module:
     """The fine-tuning task's starting point: a deterministic net trained on the pre-training split."""
     torch.manual_seed(seed)
-    net = task.make_net(0.0)
+    net = task.make_net(0.0).to(device())
     train(Method(), net, task, task.x_pretrain, task.y_pretrain, epochs=task.pretrain_epochs, lr=lr, seed=seed + 7)
     return net
 
@@ -190,6 +198,7 @@ def run_task(
 ) -> dict[str, Any]:
     """Tune every method (or take ``tuned``: ``{method: config}`` of an earlier run), then train and test each seed."""
     start = time.perf_counter()
+    on_device(task)
     task.shifts()  # corrupt once, before any timing
     log(f"[{task.name}] {len(task.shifts())} shifted sets ready in {time.perf_counter() - start:.1f} s")
     tuned = tuned or {}
@@ -238,6 +247,16 @@ def run_task(
     }  # fmt: skip
 
 
+def on_device(task: Task) -> Task:
+    """Put the training split(s) on ``--device`` (the loop indexes them there); evaluation sets stay on the CPU
+    (each chunk goes to the device in ``Method.members``, the members come back for the metrics)."""
+    for name in ("x_train", "y_train", "x_pretrain", "y_pretrain"):
+        value = getattr(task, name)
+        if value is not None:
+            setattr(task, name, value.to(device()))
+    return task
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=[*TASKS, "fashion-mnist-all"],
@@ -253,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="corrupted image sets are kept here")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda (cuda:N) or auto: where the models train and predict (metrics: on the CPU)")  # fmt: skip
     parser.add_argument("--data-dir", type=Path, default=None,
                         help=f"Fashion-MNIST / MNIST in torchvision's layout (default: $BAYESIFY_DATA_DIR or {DEFAULT_DATA})")
     parser.add_argument("--max-train", type=int, help="Fashion-MNIST: train on the first N of the training split")
@@ -269,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.out / 'quality.md'}")
         return
     torch.set_num_threads(args.threads)
+    set_device(args.device)
 
     import os
 
@@ -312,8 +334,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def merge_reports(paths: list[Path], out: Path) -> None:
-    """One report from several runs: over different tasks (run side by side), or over more seeds of a task
-    with the same settings (``--tuned``)."""
+    """One report from several runs: over different tasks (run side by side), over more seeds of a task
+    with the same settings (``--tuned``), or over different methods of a task (``--methods``, run side by side:
+    a deterministic run both hold, the same settings and seeds, is kept once, from the first)."""
     runs = [json.loads(path.read_text()) for path in paths]
     budgets = {run["budget"] for run in runs}
     if len(budgets) != 1:
@@ -323,21 +346,38 @@ def merge_reports(paths: list[Path], out: Path) -> None:
         if task["task"] not in tasks:
             tasks[task["task"]] = copy.deepcopy(task)
             continue
-        # the same task in another run: more seeds of the same methods with the same settings
+        # the same task in another run: more seeds of the same methods with the same settings, or other methods
         into = tasks[task["task"]]
+        by_method = set(task["methods"]) != set(into["methods"])  # split by --methods, not by seeds
         for key, method in task["methods"].items():
             have = into["methods"].get(key)
-            if have is None or _settings(have["config"]) != _settings(method["config"]):
+            if have is None:  # a method run in another process (its own deterministic baseline of the same seeds)
+                into["methods"][key] = copy.deepcopy(method)
+                continue
+            if by_method and _same_runs(have, method):  # a baseline both runs hold (the time ratios' deterministic)
+                continue
+            if _settings(have["config"]) != _settings(method["config"]):
                 raise SystemExit(f"--merge: {task['task']}/{key} has other settings or is missing in one run; "
                                  "merge runs made with --tuned from the same report")  # fmt: skip
             seeds = [r["seed"] for r in have["runs"]] + [r["seed"] for r in method["runs"]]
             if len(set(seeds)) != len(seeds):
                 raise SystemExit(f"--merge: {task['task']}/{key} has seed(s) in more than one run ({sorted(seeds)})")
             have["runs"] = sorted(have["runs"] + method["runs"], key=lambda r: r["seed"])
+    order = [m.key for m in METHODS + FINETUNE_METHODS]
+    for task in tasks.values():  # the pool's order, whichever run a method came from
+        rank = {key: order.index(key) if key in order else len(order) for key in task["methods"]}
+        task["methods"] = dict(sorted(task["methods"].items(), key=lambda item: rank[item[0]]))
     command = " ; ".join(f"`{run['command']}`" for run in runs).strip("`")
     seconds = sum(run["seconds"] for run in runs)  # the runs' times added (some may have run side by side)
     date = " and ".join(dict.fromkeys(run["date"] for run in runs))  # the runs' own machine and dates
     write_report(list(tasks.values()), out, command=command, seconds=seconds, budget=budgets.pop(), info=runs[0]["machine"], date=date)
+
+
+def _same_runs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same method with the same settings and seeds in two runs split by method (each with its baseline)."""
+    return _settings(a["config"]) == _settings(b["config"]) and [r["seed"] for r in a["runs"]] == [
+        r["seed"] for r in b["runs"]
+    ]
 
 
 def _settings(config: dict[str, Any]) -> tuple[Any, Any]:

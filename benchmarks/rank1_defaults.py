@@ -16,7 +16,9 @@ and the disagreement of the components.
 A variant is a ``quality.py`` method, or a rank-1 recipe: ``convert`` (keyword arguments of
 ``bayesify.convert``), ``route`` ("sample" or "tile"), ``kl_mean_over_components`` (divide the
 KL by K as well), ``kl_scale`` (a constant factor on the KL term), ``factor_lr`` (learning-rate
-multiplier of the rank-1 parameters), ``samples`` (M at evaluation), ``lr`` (overrides ``--lr``).
+multiplier of the rank-1 parameters), ``samples`` (M at evaluation), ``eval_noise`` (True: evaluate K x M
+samples instead of the library's default, the K posterior means), ``kl_warmup`` (the KL warm-up's length, a
+fraction of the steps; the loop's: 2/3), ``lr`` (overrides ``--lr``).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ if __package__ in (None, ""):
 
 import bayesify  # noqa: E402
 from benchmarks._quality_evaluation import evaluate_members  # noqa: E402
-from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, Rank1  # noqa: E402
+from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, Rank1, set_device  # noqa: E402
 from benchmarks._quality_tasks import Scale, Task, build_task, validation_view  # noqa: E402
-from benchmarks.quality import DEFAULT_CACHE, fit, pretrain  # noqa: E402
+from benchmarks.quality import DEFAULT_CACHE, DEFAULT_DATA, fit, on_device, pretrain  # noqa: E402
 
 # the named recipes of the study (results: benchmarks/results/rank1_defaults.md)
 RECIPES: dict[str, dict[str, Any]] = {
@@ -76,7 +78,7 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 def rank1_from_recipe(name: str, recipe: dict[str, Any]) -> Rank1:
     known = {"convert", "route", "likelihood", "kl_mean_over_components", "kl_scale", "factor_lr", "samples", "lr",
-             "from_pretrained", "factors_only"}  # fmt: skip
+             "from_pretrained", "factors_only", "eval_noise", "kl_warmup"}  # fmt: skip
     unknown = set(recipe) - known
     if unknown:
         raise ValueError(f"recipe {name!r} has unknown keys {sorted(unknown)}; known: {sorted(known)}.")
@@ -86,6 +88,7 @@ def rank1_from_recipe(name: str, recipe: dict[str, Any]) -> Rank1:
         kl_mean_over_components=recipe.get("kl_mean_over_components", False), kl_scale=recipe.get("kl_scale", 1.0),
         factor_lr=recipe.get("factor_lr", 1.0), samples=recipe.get("samples", 4),
         from_pretrained=recipe.get("from_pretrained", False), factors_only=recipe.get("factors_only", False),
+        eval_noise=recipe.get("eval_noise"), kl_warmup=recipe.get("kl_warmup"),
     )  # fmt: skip
 
 
@@ -153,7 +156,8 @@ def ece_floor(task: Task, seeds: int, lr: float, draws: int = 200) -> str:
 
 
 def summarize(log: Path, tasks: list[str] | None, variants: list[str] | None, means_rows: bool = True) -> str:
-    """Markdown tables, one per task: mean +- std over seeds of the validation metrics, per variant."""
+    """Markdown tables, one per task: mean +- std over seeds of the validation metrics, per variant; percentages
+    against deterministic's mean over the same seeds."""
     rows: dict[tuple[str, str], list[dict]] = {}
     for line in log.read_text().splitlines():
         r = json.loads(line)
@@ -161,12 +165,11 @@ def summarize(log: Path, tasks: list[str] | None, variants: list[str] | None, me
             rows.setdefault((r["task"], r["variant"]), []).append(r)
             if means_rows and "eval_means" in r:  # the same nets evaluated with their K posterior means
                 rows.setdefault((r["task"], r["variant"] + " [means]"), []).append(
-                    {**r["eval_means"], "train_s": r["train_s"], "end": r["end"], "init": r["init"]}
+                    {**r["eval_means"], "seed": r["seed"], "train_s": r["train_s"], "end": r["end"], "init": r["init"]}
                 )
     out = []
     for task in dict.fromkeys(t for t, _ in rows):
-        base = rows.get((task, "deterministic"))
-        ref = {k: statistics.fmean(r[k] for r in base) for k in ("nll", "ece", "c_nll")} if base else {}
+        base = rows.get((task, "deterministic")) or []
         out += [f"### {task} (validation split)", "",
                 "| variant | seeds | NLL | acc | ECE | cNLL | cA | cECE | conf-acc | disagree | KL/N init->end | scale end "
                 "| train s |",
@@ -175,6 +178,9 @@ def summarize(log: Path, tasks: list[str] | None, variants: list[str] | None, me
             if t != task:
                 continue
             base_variant = variant.removesuffix(" [means]")
+            # percentages against deterministic on the same seeds (a variant run on fewer seeds is compared paired)
+            paired = [r for r in base if r.get("seed") in {run.get("seed") for run in runs}]
+            ref = {k: statistics.fmean(r[k] for r in paired) for k in ("nll", "ece", "c_nll")} if paired else {}
 
             def cell(key: str, digits: int = 4) -> str:
                 values = [r[key] for r in runs if key in r]
@@ -211,8 +217,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ece-floor", action="store_true", help="deterministic val ECE vs a calibrated model's")
     parser.add_argument("--no-means", action="store_true", help="summary without the [means] rows")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (as benchmarks/quality.py)")
+    # the Fashion-MNIST tasks' size (as benchmarks/quality.py; the validation split is the same 5000 images)
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--max-train", type=int)
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--corruptions", help="comma-separated ImageNet-C corruptions (default: all 15)")
+    parser.add_argument("--shift-examples", type=int, help="shifted sets of the first N validation images")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    set_device(args.device)
     if args.summary:
         print(summarize(args.log, args.tasks, args.variants or None, means_rows=not args.no_means))
         return
@@ -227,7 +241,11 @@ def main(argv: list[str] | None = None) -> None:
     done = set()
     if args.log.exists():
         done = {(r["variant"], r["task"], r["seed"]) for r in map(json.loads, args.log.read_text().splitlines())}
-    scale = Scale(cache_dir=DEFAULT_CACHE)
+    corruptions = None if args.corruptions is None else tuple(c for c in args.corruptions.split(",") if c)
+    scale = Scale(
+        cache_dir=DEFAULT_CACHE, data_dir=args.data_dir, max_train=args.max_train, fixed_epochs=args.epochs,
+        image_corruptions=corruptions, shift_examples=args.shift_examples,
+    )  # fmt: skip
     tasks: dict[str, Task] = {}
     for variant in args.variants:
         method = methods.get(variant) or rank1_from_recipe(variant, recipes[variant])
@@ -238,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 start = time.perf_counter()
                 if task_name not in tasks:
-                    tasks[task_name] = validation_view(build_task(task_name, scale))
+                    tasks[task_name] = on_device(validation_view(build_task(task_name, scale)))
                 record = run_one(method, recipe, tasks[task_name], seed, args.lr)
                 record = {"variant": variant, "recipe": recipe, **record}
                 with args.log.open("a") as f:

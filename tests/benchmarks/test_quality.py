@@ -29,7 +29,7 @@ pytest.importorskip("matplotlib")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("quality")
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", "--out", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", "--device", "cpu", "--out", str(out)],
         cwd=ROOT, check=True, timeout=600, capture_output=True,
     )  # fmt: skip
     return out
@@ -96,6 +96,25 @@ def test_runs_over_different_tasks_or_seeds_merge_into_one_report(quick_run: Pat
     twice = subprocess.run([*quality, str(halves[0]), str(halves[0]), "--out", str(merged)], cwd=ROOT,
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert twice.returncode != 0 and "seed(s) in more than one run" in twice.stderr
+
+
+@pytest.mark.slow
+def test_runs_over_different_methods_of_a_task_merge_into_one_report(quick_run: Path, tmp_path: Path) -> None:
+    # as benchmarks/gpu_fashion.sh runs them side by side: each part holds its methods and the deterministic baseline
+    report = json.loads((quick_run / "quality.json").read_text())
+    task = next(t for t in report["tasks"] if t["task"] == "digits")
+    keys = list(task["methods"])
+    parts = []
+    for i, chosen in enumerate((keys[:4], keys[:1] + keys[4:])):
+        methods = {k: m for k, m in task["methods"].items() if k in chosen}
+        parts.append(tmp_path / f"part{i}.json")
+        parts[-1].write_text(json.dumps({**report, "tasks": [{**task, "methods": methods}]}))
+    merged = tmp_path / "merged"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--merge", *map(str, reversed(parts)),
+                    "--out", str(merged)], cwd=ROOT, check=True, timeout=300)  # fmt: skip
+    again = json.loads((merged / "quality.json").read_text())
+    assert list(again["tasks"][0]["methods"]) == keys  # the pool's order, the baseline once
+    assert again["summary"]["digits"] == report["summary"]["digits"]
 
 
 @pytest.mark.slow
@@ -209,3 +228,16 @@ def test_plain_loop_loss_is_the_readme_recipe_and_equals_the_loop_formula() -> N
         formula = method.loss(net, x, y, tuned, kl_weight=min(1.0, (step + 1) / warmup))
         assert torch.equal(got, recipe)
         assert torch.allclose(got, formula, rtol=1e-6, atol=1e-7)
+
+
+def test_device_option_resolves_auto_and_refuses_a_missing_gpu() -> None:
+    from benchmarks._quality_methods import device, set_device
+
+    try:
+        assert set_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+        assert set_device("cpu") == device() == torch.device("cpu")
+        if not torch.cuda.is_available():
+            with pytest.raises(SystemExit, match="no CUDA device"):
+                set_device("cuda")
+    finally:
+        set_device("cpu")
