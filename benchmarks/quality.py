@@ -64,7 +64,7 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/quality.py
 
 from bayesify.evaluation.metrics import member_log_probs_from_logits, negative_log_likelihood  # noqa: E402
 from benchmarks._quality_evaluation import evaluate_members, gaussian_head_metrics, ood_evaluation  # noqa: E402
-from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, device, likelihood_loss, set_device  # noqa: E402
+from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, device, set_device  # noqa: E402
 from benchmarks._quality_report import write_report  # noqa: E402
 from benchmarks._quality_tasks import DEFAULT_TASKS, REGRESSION, TASKS, Scale, Task, build_task, task_names  # noqa: E402
 
