@@ -18,7 +18,7 @@ from torch import nn
 
 from bayesify.inspection import rank1_parameters
 
-__all__ = ["decay_parameter_names", "keep_untied"]
+__all__ = ["block_class_names", "decay_parameter_names", "keep_untied"]
 
 
 def decay_parameter_names(model: nn.Module, names: Iterable[str]) -> list[str]:
@@ -106,3 +106,10 @@ def keep_untied(model: nn.Module, untied: Iterable[str]) -> list[str]:
 
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
+
+
+def block_class_names(model: nn.Module) -> list[str] | None:
+    """The classes a Hugging Face model says must never be split across devices (``_no_split_modules``: its
+    transformer blocks), or None for a model that says nothing (for :func:`bayesify.training.shard`)."""
+    names = getattr(model, "_no_split_modules", None)
+    return list(names) if names else None

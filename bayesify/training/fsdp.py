@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bayesify import hf
+
 __all__ = ["find_blocks", "gather", "is_sharded", "shard", "whole"]
 
 BlockSpec = Iterable["type[nn.Module] | str"]
@@ -95,9 +97,7 @@ def find_blocks(model: nn.Module, blocks: BlockSpec | None = None) -> list[nn.Mo
         ValueError: no such module in ``model`` (pass ``blocks=`` with its block class).
     """
     if blocks is None:
-        no_split = getattr(model, "_no_split_modules", None)
-        if no_split:
-            blocks = list(no_split)
+        blocks = hf.block_class_names(model)
     if blocks is not None:
         types, names = _class_names(blocks)
         found = [m for m in model.modules() if m is not model and _is_block(m, types, names)]

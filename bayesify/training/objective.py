@@ -204,7 +204,7 @@ class Objective:
         """
         inner = unwrap(model)
         k = num_components(inner)
-        task = model_task(inner, self.task)
+        task = self.task if self.task is not None else model_task(inner)  # (no walk of the model when given)
         if isinstance(task, Auto):  # nobody said: the loss users write, F.cross_entropy (refuses a one-logit output)
             task = TaskName.CLASSIFICATION
         nll = training_nll(logits, labels, components=k, likelihood=self.likelihood, task=task)
