@@ -24,4 +24,6 @@ result = trainer.train()
 assert torch.isfinite(torch.tensor(result.training_loss)), result
 sharded = sum(isinstance(p, DTensor) for p in trainer.model.parameters())
 total = len(list(trainer.model.parameters()))
-print(f"accelerate-worker rank {os.environ.get('RANK')}: wrapper={type(trainer.model_wrapped).__name__} sharded={sharded}/{total}")
+# one write per line: print's text and newline are two writes, which the other rank's line can fall between
+sys.stdout.write(f"accelerate-worker rank {os.environ.get('RANK')}: wrapper={type(trainer.model_wrapped).__name__} sharded={sharded}/{total}\n")
+sys.stdout.flush()

@@ -7,6 +7,7 @@ run needs 2 GPUs and has not been run.
 """
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -45,13 +46,21 @@ def launch(tmp_path, use_cpu: bool) -> subprocess.CompletedProcess:
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", str(port),
                str(ROOT / "tests" / "training" / "_accelerate_worker.py"), str(tmp_path / "out")]  # fmt: skip
-    return subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    if result.returncode != 0 and "accelerate-worker" not in result.stdout:
+        # the launcher itself failed before any worker ran (seen once in ten runs on a loaded 2-core machine, a
+        # rendezvous on a port just probed free): once more on a new port; the assertions stay the same
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            command[command.index("--main_process_port") + 1] = str(probe.getsockname()[1])
+        result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    return result
 
 
 def test_accelerate_ignores_an_fsdp_config_on_the_cpu_and_trains_with_ddp(tmp_path):
     result = launch(tmp_path, use_cpu=True)
     assert result.returncode == 0, explain(result)
-    lines = [l for l in result.stdout.splitlines() if l.startswith("accelerate-worker")]
+    lines = re.findall(r"accelerate-worker rank \d+: wrapper=\w+ sharded=\d+/\d+", result.stdout)
     assert len(lines) == 2, explain(result)
     for line in lines:
         assert "wrapper=DistributedDataParallel sharded=0/" in line, line
@@ -61,5 +70,5 @@ def test_accelerate_ignores_an_fsdp_config_on_the_cpu_and_trains_with_ddp(tmp_pa
 def test_bayesian_trainer_under_accelerate_fsdp2_on_gpus(tmp_path):  # not run yet: no GPU machine had 2 GPUs
     result = launch(tmp_path, use_cpu=False)
     assert result.returncode == 0, explain(result)
-    lines = [l for l in result.stdout.splitlines() if l.startswith("accelerate-worker")]
+    lines = re.findall(r"accelerate-worker rank \d+: wrapper=\w+ sharded=\d+/\d+", result.stdout)
     assert len(lines) == 2 and all("sharded=0/" not in l for l in lines), explain(result)
