@@ -35,5 +35,7 @@ def tile(t: Tensor, members: int, axis: int = 0) -> Tensor:
 def split_members(t: Tensor, members: int, axis: int = 0) -> Tensor:
     """``[..., members * B, ...]`` (batch at ``axis``) -> ``[members, ..., B, ...]``: the member axis in front."""
     axis = axis % t.dim()
+    if axis == 0:  # the usual batch-first output: one view (movedim dispatches a permute even when it moves nothing)
+        return t.reshape(members, t.shape[0] // members, *t.shape[1:])
     t = t.movedim(axis, 0)
     return t.reshape(members, t.shape[0] // members, *t.shape[1:]).movedim(1, axis + 1)

@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from bayesify.config import Rank1Config
 from bayesify.layers._intercept import split_call
 from bayesify.layers.base import Draw, Rank1Layer
-from bayesify.layers.rank1_op import fold_weight, fold_weights, rank1_affine, rank1_folded, run_blocks
+from bayesify.layers.rank1_op import KnownMap, fold_weight, fold_weights, rank1_affine, rank1_folded, run_blocks
 from bayesify.options import Perturbation, Sampling
 
 __all__ = ["Fold", "Rank1Affine"]
@@ -41,7 +41,7 @@ def _pick(table: Tensor, components: tuple[int, ...]) -> Tensor:
     or one fixed component), else a gathered copy."""
     first = components[0]
     if list(components) == list(range(first, first + len(components))):
-        return table.narrow(0, first, len(components))
+        return table if len(components) == table.shape[0] else table.narrow(0, first, len(components))
     return table[list(components)]
 
 
@@ -77,6 +77,11 @@ class Rank1Affine(Rank1Layer):
     def rank1_core(self, x: Tensor) -> Tensor:
         """``W x`` without bias, for a base class whose forward is in :attr:`rank1_known_forwards`."""
         raise NotImplementedError
+
+    def rank1_known_map(self, x: Tensor) -> KnownMap | None:
+        """:meth:`rank1_core` for input ``x`` with its backward written out (see
+        :class:`~bayesify.layers.rank1_op.KnownMap`), or None (the default: autograd differentiates the core)."""
+        return None
 
     def rank1_batch_axis(self, x: Tensor) -> int | None:
         return self.rank1_axes(x)[0]
@@ -150,8 +155,9 @@ class Rank1Affine(Rank1Layer):
         # a plain torch layer whose weight is a Parameter (not a parametrization / pruning mask)
         if base.forward in self.rank1_known_forwards and not args and not kwargs and "weight" in self._parameters:
             return self._rank1_apply(
-                input, self.rank1_core, self._parameters.get("bias"), core_adds_bias=False, fold=self.rank1_fold()
-            )
+                input, self.rank1_core, self._parameters.get("bias"), core_adds_bias=False, fold=self.rank1_fold(),
+                known=self.rank1_known_map(input),
+            )  # fmt: skip
 
         # a subclass with its own forward (weight standardisation, same padding, ...): run it as is
         # on the perturbed input; it adds the original bias, which the op accounts for
@@ -174,6 +180,7 @@ class Rank1Affine(Rank1Layer):
         *,
         core_adds_bias: bool,
         fold: Fold | None = None,
+        known: KnownMap | None = None,
     ) -> Tensor:
         batch_axis, channel_axis = self.rank1_axes(x)
         if x.dim() == 0 or x.shape[channel_axis] != self.rank1_s.features:
@@ -223,6 +230,7 @@ class Rank1Affine(Rank1Layer):
             batch_axis=batch_axis,
             channel_axis=channel_axis,
             core_bias=bias if core_adds_bias else None,
+            known=known,
         )
 
     def _rank1_members_folded(self, x: Tensor, draw: Draw, fold: Fold, bias: Tensor | None, batch_axis: int) -> Tensor:
@@ -230,17 +238,18 @@ class Rank1Affine(Rank1Layer):
         every member is the original map with its own folded weight, the K weights folded once and kept
         until a weight or a factor changes (``_version``), so the mixture costs the original network at K*B."""
         state = self.rank1_state
-        key = (id(fold.weight), fold.weight._version, self.rank1_s.loc._version, self.rank1_r.loc._version,
+        key = (id(fold.weight), fold.weight._version, self.rank1_s.loc_version, self.rank1_r.loc_version,
                fold.weight.dtype, fold.weight.device)  # fmt: skip
         if state.folded is None or state.folded[0] != key:
             weights = fold_weights(fold.weight, self.rank1_r.loc, self.rank1_s.loc, groups=fold.groups, transposed=fold.transposed)
-            state.folded = (key, weights)
-        weights = state.folded[1]
+            state.folded = (key, weights, weights.unbind(0))  # and one by one (unbinding is an op per call)
+        _, weights, each = state.folded
         offsets = self.rank1_bias  # [K, out] per component: the bias offset, plus the bias the caller gave
         if bias is not None:
             offsets = bias.expand(len(weights), -1) if offsets is None else offsets + bias
         components = draw.fixed_components
-        return run_blocks(x, draw.blocks, _pick(weights, components), None if offsets is None else _pick(offsets, components),
+        picked = each if list(components) == list(range(len(each))) and not fold.dense else _pick(weights, components)
+        return run_blocks(x, draw.blocks, picked, None if offsets is None else _pick(offsets, components),
                           fold.apply, batch_axis=batch_axis, transposed=fold.transposed, dense=fold.dense)  # fmt: skip
 
     def _rank1_folds(self, draw: Draw, x: Tensor, weight: Tensor) -> bool:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bayesify.layers.affine import Fold, Rank1Affine
-from bayesify.layers.rank1_op import fold_weight
+from bayesify.layers.rank1_op import KnownMap, fold_weight
 
 __all__ = ["Rank1Conv", "Rank1ConvTranspose"]
 
@@ -56,6 +57,24 @@ class Rank1Conv(_Rank1ConvBase):
 
     def rank1_fold(self) -> Fold:
         return Fold(self._parameters["weight"], self._conv_forward, self.groups)
+
+    def rank1_known_map(self, x: Tensor) -> KnownMap | None:
+        # zero padding given as numbers, batched input: torch's one convolution op and its one backward op
+        if self.padding_mode != "zeros" or isinstance(self.padding, str) or x.dim() != len(self.kernel_size) + 2:
+            return None
+        spatial = len(self.kernel_size)
+        conv, stride, padding, dilation, groups = _CONV_FUNCTIONS[spatial - 1], self.stride, self.padding, self.dilation, self.groups
+
+        def forward(v: Tensor, weight: Tensor) -> Tensor:
+            return conv(v, weight, None, stride, padding, dilation, groups)
+
+        def backward(grad: Tensor, v: Tensor, weight: Tensor, needs: tuple[bool, bool]) -> tuple[Tensor | None, Tensor | None]:
+            d_v, d_weight, _ = torch.ops.aten.convolution_backward(
+                grad, v, weight, None, stride, padding, dilation, False, (0,) * spatial, groups, (*needs, False)
+            )
+            return d_v, d_weight
+
+        return KnownMap(self._parameters["weight"], forward, backward)
 
     def rank1_constant_response(self, weight: Tensor, s: Tensor) -> Tensor:
         # padding by reflection, replication or wrapping keeps a constant input constant; zeros do not

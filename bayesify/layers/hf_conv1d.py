@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from bayesify.layers.affine import Fold, Rank1Affine
-from bayesify.layers.rank1_op import fold_weight
+from bayesify.layers.rank1_op import KnownMap, fold_weight
 
 __all__ = ["Rank1HFConv1D"]
 
@@ -48,6 +48,21 @@ class Rank1HFConv1D(Rank1Affine):
     def rank1_fold(self) -> Fold:
         return Fold(self._parameters["weight"], _dense, transposed=True, dense=True)
 
+    def rank1_known_map(self, x: Tensor) -> KnownMap | None:
+        return KnownMap(self._parameters["weight"], torch.matmul, _matmul_backward) if x.dim() >= 2 else None
+
 
 def _dense(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x @ weight if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)
+
+
+def _matmul_backward(grad: Tensor, x: Tensor, weight: Tensor, needs: tuple[bool, bool]) -> tuple[Tensor | None, Tensor | None]:
+    """``x @ weight``'s backward (``weight`` ``[in, out]``): ``grad W^T`` and ``x^T grad`` over every leading axis."""
+    g = grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
+    d_x = d_weight = None
+    if needs[0]:
+        d_x = g.mm(weight.t())
+        d_x = d_x if grad.dim() == 2 else d_x.view(*grad.shape[:-1], weight.shape[0])
+    if needs[1]:
+        d_weight = (x if x.dim() == 2 else x.reshape(-1, x.shape[-1])).t().mm(g)
+    return d_x, d_weight

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bayesify.layers.affine import Fold, Rank1Affine
+from bayesify.layers.rank1_op import KnownMap
 
 __all__ = ["Rank1Linear"]
 
@@ -42,5 +43,20 @@ class Rank1Linear(Rank1Affine):
     def rank1_fold(self) -> Fold:
         return Fold(self._parameters["weight"], F.linear, dense=True)
 
+    def rank1_known_map(self, x: Tensor) -> KnownMap | None:
+        return KnownMap(self._parameters["weight"], F.linear, _linear_backward) if x.dim() >= 2 else None
+
     def rank1_functional_handlers(self) -> dict[Callable, Callable]:
         return {F.linear: self._rank1_external(F.linear)}
+
+
+def _linear_backward(grad: Tensor, x: Tensor, weight: Tensor, needs: tuple[bool, bool]) -> tuple[Tensor | None, Tensor | None]:
+    """``F.linear(x, weight)``'s backward: ``grad @ W`` and ``grad^T x`` over every leading axis."""
+    g = grad if grad.dim() == 2 else grad.reshape(-1, grad.shape[-1])
+    d_x = d_weight = None
+    if needs[0]:
+        d_x = g.mm(weight)
+        d_x = d_x if grad.dim() == 2 else d_x.view(*grad.shape[:-1], weight.shape[1])
+    if needs[1]:
+        d_weight = g.t().mm(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]))
+    return d_x, d_weight

@@ -29,6 +29,7 @@ References:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -37,7 +38,20 @@ from torch import Tensor
 from bayesify import kernels
 from bayesify.layers._recompute import recomputing
 
-__all__ = ["broadcast_rows", "dense_blocks", "fold_weight", "fold_weights", "rank1_affine", "rank1_folded", "run_blocks"]
+__all__ = [
+    "KnownMap", "broadcast_rows", "dense_blocks", "fold_weight", "fold_weights", "rank1_affine", "rank1_folded", "run_blocks",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KnownMap:
+    """A layer's own linear map (no bias) with its backward written out, so that the per-row path runs as one
+    autograd node (see :class:`_Rank1Map`): ``forward(x, weight)``, and ``backward(grad, x, weight, needs)`` ->
+    ``(d_x, d_weight)`` (each None where ``needs`` says it is not wanted), all tensors of one dtype."""
+
+    weight: Tensor
+    forward: Callable[[Tensor, Tensor], Tensor]
+    backward: Callable[[Tensor, Tensor, Tensor, tuple[bool, bool]], tuple[Tensor | None, Tensor | None]]
 
 
 def broadcast_rows(v: Tensor, ndim: int, batch_axis: int | None, channel_axis: int) -> Tensor:
@@ -63,6 +77,7 @@ def rank1_affine(
     batch_axis: int | None = 0,
     channel_axis: int = -1,
     core_bias: Tensor | None = None,
+    known: KnownMap | None = None,
 ) -> Tensor:
     """``core(x o s) o r + offset`` (or the additive form) with per-row factors.
 
@@ -75,6 +90,9 @@ def rank1_affine(
         offset: ``[n, out]`` or ``[1, out]`` added after the scaling (bias + per-component offset), or None.
         additive: the additive perturbation ``core(x + s) + r`` instead of the multiplicative one.
         core_bias: ``[out]`` or ``[n, out]``: a bias that ``core`` adds itself.
+        known: ``core`` with its backward written out (a plain convolution or dense map): with gradients to
+            take, the whole op is then one autograd node, which makes ``x o s`` again in its backward pass
+            without saved-tensor hooks (whose unpacking costs two ops per layer and step).
 
     Returns:
         The layer's output for every row.
@@ -82,6 +100,10 @@ def rank1_affine(
     if additive or core_bias is not None:
         return _rank1_affine_broadcast(x, core, s, r, offset, additive, batch_axis, channel_axis, core_bias)
     s = s.to(x.dtype)
+    if known is not None and _one_node(x, s, r, offset, known.weight):
+        s_b = s.view(shape) if (shape := _row_shape(s, x.dim(), batch_axis, channel_axis)) is not None else s
+        if kernels.plan(x, s_b, None, batch_axis, channel_axis) is None:  # (the fused kernels take the path below)
+            return _rank1_known(x, s_b, r, offset, known, batch_axis, channel_axis)
     scaled, s_b, product = _scale(x, s, _row_shape(s, x.dim(), batch_axis, channel_axis), batch_axis, channel_axis)
     with recomputing(scaled, product, x, s_b):  # the core's saved copy of x o s: made again in backward
         out = core(scaled)
@@ -264,6 +286,71 @@ class _ScaleShift(torch.autograd.Function):
 
 
 
+def _one_node(x: Tensor, s: Tensor, r: Tensor, offset: Tensor | None, weight: Tensor) -> bool:
+    """Whether the per-row op runs as :class:`_Rank1Map`: gradients wanted, outside a traced graph (compile and
+    export fuse the plain ops their own way) and outside functorch's transforms (the node has no vmap rule)."""
+    return (
+        _grad_wanted(x, s, r, offset, weight)
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def _rank1_known(
+    x: Tensor, s_b: Tensor, r: Tensor, offset: Tensor | None, known: KnownMap, batch_axis: int | None, channel_axis: int
+) -> Tensor:
+    r_shape = _row_shape(r, x.dim(), batch_axis, channel_axis)  # the map keeps the layout: out has x's rank
+    offset_shape = None if offset is None else _row_shape(offset, x.dim(), batch_axis, channel_axis)
+    return _Rank1Map.apply(x, s_b, known.weight, r, offset, r_shape, offset_shape, known)
+
+
+class _Rank1Map(torch.autograd.Function):
+    # ``map(x o s) o r + offset`` as one node: three ops forward; backward the two scalings' gradients (a multiply
+    # and a sum each), the map's own backward (one op for a convolution) on ``x o s`` made again from ``x`` (kept
+    # anyway) and ``s``: the memory of the recomputing path (see _recompute.py) without its hooks' two unpack ops
+    # per layer. ``y = map(x o s)`` is kept for ``r``'s gradient, as the two-node path keeps it.
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, s_b: Tensor, weight: Tensor, r: Tensor, offset: Tensor | None,
+        shape: tuple | None, offset_shape: tuple | None, known: KnownMap,
+    ) -> Tensor:  # fmt: skip
+        y = known.forward(x * s_b, weight)  # (under autocast the map runs in its dtype, and y has it)
+        r_b = (r if shape is None else r.view(shape)).to(y.dtype)
+        offset_b = None if offset is None else (offset if offset_shape is None else offset.view(offset_shape)).to(y.dtype)
+        ctx.known, ctx.shapes = known, (shape, offset_shape)
+        ctx.rows = (r.shape, r.dtype, None if offset is None else offset.shape, None if offset is None else offset.dtype)
+        ctx.save_for_backward(x, s_b, weight, r, r_b, y)
+        return y * r_b if offset_b is None else torch.addcmul(offset_b, y, r_b)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x, s_b, weight, r, r_b, y = ctx.saved_tensors
+        shape, offset_shape = ctx.shapes
+        r_rows, r_dtype, offset_rows, offset_dtype = ctx.rows
+        needs = ctx.needs_input_grad
+        scaled = x * s_b  # made again: the map's backward needs its input
+        if torch.is_grad_enabled():
+            # a graph of this backward (double backward): what forward made, made again from the inputs, in the graph
+            y = ctx.known.forward(scaled, weight)
+            r_b = (r if shape is None else r.view(shape)).to(y.dtype)
+        d_r = _to_rows(grad * y, r_rows, shape).to(r_dtype) if needs[3] else None
+        d_offset = _to_rows(grad, offset_rows, offset_shape).to(offset_dtype) if needs[4] else None
+        d_x = d_s = d_weight = None
+        if needs[0] or needs[1] or needs[2]:
+            dtype = grad.dtype  # the map's (autocast's) dtype
+            d_scaled, d_weight = ctx.known.backward(
+                grad * r_b, scaled.to(dtype), weight.to(dtype), (needs[0] or needs[1], needs[2])
+            )
+            if d_weight is not None:
+                d_weight = d_weight.to(weight.dtype)
+            if d_scaled is not None:
+                d_scaled = d_scaled.to(x.dtype)
+                d_x = d_scaled * s_b if needs[0] else None
+                d_s = _to_rows(d_scaled * x, s_b.shape, None) if needs[1] else None
+        return d_x, d_s, d_weight, d_r, d_offset, None, None, None
+
+
 def fold_weight(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, transposed: bool = False) -> Tensor:
     """``W o (r s^T)``: ``r`` scales the output channels, ``s`` the input channels.
 
@@ -385,7 +472,7 @@ def rank1_folded(
 def run_blocks(
     x: Tensor,
     blocks: tuple[tuple[int, int], ...],
-    weights: Tensor,
+    weights: Tensor | tuple[Tensor, ...],
     offsets: Tensor | None,
     apply: Callable[[Tensor, Tensor, Tensor | None], Tensor],
     *,
@@ -395,13 +482,31 @@ def run_blocks(
 ) -> Tensor:
     """Block ``i`` of the rows through ``apply(rows, weights[i], offsets[i])``, the outputs in the rows' order
     (see :func:`rank1_folded`): one batched matmul for a dense map on equal blocks along a leading batch
-    axis, else the map once per block."""
-    if dense and batch_axis == 0 and _equal_tiling(blocks, x.shape[0]):
+    axis, else the map once per block (``weights``: stacked, or already one by one)."""
+    if dense and batch_axis == 0 and _equal_tiling(blocks, x.shape[0]) and isinstance(weights, Tensor):
         return dense_blocks(x, weights, offsets, transposed=transposed)
+    each = weights.unbind(0) if isinstance(weights, Tensor) else weights
     outputs = []
-    for part, w, b in zip(_block_views(x, blocks, batch_axis), weights.unbind(0), _rows(offsets, len(blocks))):
+    for part, w, b in zip(_block_views(x, blocks, batch_axis), each, _rows(offsets, len(blocks))):
         outputs.append(apply(part, w, b))
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, batch_axis)
+    if len(outputs) == 1:
+        return outputs[0]
+    traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+    if torch.is_grad_enabled() and not traced and any(o.requires_grad for o in outputs):
+        return _Concatenate.apply(batch_axis, *outputs)
+    return torch.cat(outputs, batch_axis)
+
+
+class _Concatenate(torch.autograd.Function):
+    # torch.cat, whose gradient is one split (autograd's own cat takes a slice per input: K ops a folded layer)
+    @staticmethod
+    def forward(ctx: Any, axis: int, *parts: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.axis, ctx.sizes = axis, [p.shape[axis] for p in parts]
+        return torch.cat(parts, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        return (None, *grad.split(ctx.sizes, ctx.axis))
 
 
 def dense_blocks(x: Tensor, weights: Tensor, offset: Tensor | None, *, transposed: bool = False) -> Tensor:

@@ -143,7 +143,7 @@ class _Rank1Recurrent(Rank1Layer):
         draw = self.rank1_draw(n, device)
         cache = state.cache
         key = (n, draw.noise, device)
-        if router.active and cache is not None and cache[0] is router.rows and key in cache[1]:
+        if router.active and cache is not None and cache[0] is router.state and key in cache[1]:
             return cache[1][key]
         draws = {name: draw.sample(factor) for name, factor in self.rank1_factors()}
         for name in state.bias_offsets:
@@ -151,8 +151,8 @@ class _Rank1Recurrent(Rank1Layer):
             if offset is not None:
                 draws[name] = offset
         if router.active:
-            if cache is None or cache[0] is not router.rows:
-                cache = (router.rows, {})
+            if cache is None or cache[0] is not router.state:  # (the pass, not its rows: tiled rows are kept across passes)
+                cache = (router.state, {})
                 state.cache = cache
             cache[1][key] = draws
         return draws

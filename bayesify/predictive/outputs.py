@@ -40,7 +40,8 @@ def leaf_task(task: Task, key: Any, model: nn.Module, leaf: object = None, membe
     """The task of the output leaf at top-level ``key`` (None: the output itself); ``model`` and ``leaf`` name
     what the one-line error is about when nobody said what the leaf means."""
     if isinstance(task, Auto):
-        shape = f" of shape {tuple(leaf.shape)}" if isinstance(leaf, Tensor) else ""
+        size = leaf.shape if isinstance(leaf, Tensor) else leaf if isinstance(leaf, torch.Size) else None
+        shape = "" if size is None else f" of shape {tuple(size)}"
         reduce = f", so it cannot reduce its {members} members to one prediction" if members else ""
         raise ValueError(
             f"bayesify does not know what the output{shape} of {type(model).__name__} means{reduce}; say it with "
@@ -84,7 +85,7 @@ def reduce_output(
         if not tiled or task.recomputes(key):
             return t
         stacked = t.movedim(dim, 0) if axis is None else split_members(t, members, dim)
-        return leaf_task(task, key, model, stacked[0], members).reduce(stacked)
+        return leaf_task(task, key, model, stacked.shape[1:], members).reduce(stacked)  # (a shape: no op to take one)
 
     reduced = [(output_key(path), reduce(path, t, d)) for (path, t), d in zip(leaves, axes)]
     return tree_unflatten(task.finish(model, reduced, inputs), tree)

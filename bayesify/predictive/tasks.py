@@ -150,25 +150,26 @@ class Classification(Task):
     class_axis: int | None = None
     name: ClassVar[str] = "classification"
 
-    def axis(self, output: Tensor) -> int:
-        """The class axis of one member's output ``output`` (non-negative)."""
-        nd = output.dim()
+    def axis(self, output: Tensor | torch.Size) -> int:
+        """The class axis of one member's output ``output`` (or of an output of that shape; non-negative)."""
+        shape = tuple(output.shape if isinstance(output, Tensor) else output)
+        nd = len(shape)
         if self.class_axis is not None:
             if not -nd <= self.class_axis < nd:
-                raise ValueError(f"class_axis={self.class_axis} is out of range for an output of shape {tuple(output.shape)}.")
+                raise ValueError(f"class_axis={self.class_axis} is out of range for an output of shape {shape}.")
             return self.class_axis % nd
         if nd <= 2:
             return nd - 1
         if nd >= 4:
             return 1
         raise ValueError(
-            f"an output of shape {tuple(output.shape)} could hold classes at axis 1 ([B, C, L]: a Conv1d or "
+            f"an output of shape {shape} could hold classes at axis 1 ([B, C, L]: a Conv1d or "
             "segmentation net) or at axis -1 ([B, T, C]: per-token logits); pass class_axis=1 or class_axis=-1 to "
             "bayesify.convert (or bayesify.mode)."
         )
 
     def reduce(self, members: Tensor) -> Tensor:
-        axis = self.axis(members[0]) + 1
+        axis = self.axis(members.shape[1:]) + 1
         if members.shape[axis] == 1:
             raise ValueError(
                 "task='classification' (log of the mean softmax) needs one output per class, but the model's output "
@@ -187,10 +188,10 @@ class Classification(Task):
         return _per_row(ll)
 
     def uncertainty(self, members: Tensor) -> decompositions.ClassificationUncertainty:
-        return decompositions.classification_uncertainty(members, class_axis=self.axis(members[0]))
+        return decompositions.classification_uncertainty(members, class_axis=self.axis(members.shape[1:]))
 
     def member_log_probs(self, members: Tensor) -> Tensor:
-        logits = members.movedim(self.axis(members[0]) + 1, -1)
+        logits = members.movedim(self.axis(members.shape[1:]) + 1, -1)
         return logits.reshape(logits.shape[0], -1, logits.shape[-1]).log_softmax(-1)
 
     def __str__(self) -> str:

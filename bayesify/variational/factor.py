@@ -61,6 +61,12 @@ class Rank1Factor(nn.Module):
         """Whether its tables live in the model's flat store (:mod:`bayesify.variational.store`)."""
         return self.__dict__.get("rank1_slot") is not None
 
+    @property
+    def loc_version(self) -> int:
+        """``loc._version`` (a packed factor's is its store's: views share it) without making the view (an op)."""
+        slot = self.__dict__.get("rank1_slot")
+        return slot[0].loc._version if slot is not None else self._parameters["loc"]._version
+
     def rank1_pack(self, group: TableGroup, slot: int) -> None:
         """Hand the tables over to ``group`` (already holding their values at ``slot``): ``loc`` and ``rho``
         become views of its columns."""

@@ -145,7 +145,9 @@ class TableGroup:
             ndim, batch_axis, channel_axis = like
             shape = [1] * ndim
             shape[batch_axis], shape[channel_axis] = value.shape
-            value, axis = value.view(shape), channel_axis
+            axis = channel_axis
+            if tuple(shape) != tuple(value.shape):  # (a view to the same shape is still an op)
+                value = value.view(shape)
         pieces = value.split([self.sizes[i] for i in slots], axis) if len(slots) > 1 else (value,)
         return dict(zip(slots, pieces))
 

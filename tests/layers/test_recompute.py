@@ -1,7 +1,8 @@
 """What the rank-1 op holds for the backward pass, and that it loses nothing.
 
-The per-row path's ``x o s`` is recomputed in the backward pass (``bayesify/layers/_recompute.py``);
-the folded path holds each block's weight once (``fold_weight`` is one autograd node). Checked here:
+The per-row path's ``x o s`` is recomputed in the backward pass (by the one autograd node of a known map,
+``rank1_op._Rank1Map``, else by ``bayesify/layers/_recompute.py``); the folded path holds each block's
+weight once (``fold_weight`` is one autograd node). Checked here:
 the gradients are those of the plain path (the same ops, so the same numbers), the step holds less,
 an in-place change of a used input is an error rather than a wrong gradient, it stands aside under
 activation checkpointing, and ``fold_weight``'s own backward is right (gradcheck, float64).
@@ -9,6 +10,9 @@ activation checkpointing, and ``fold_weight``'s own backward is right (gradcheck
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -17,8 +21,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import bayesify
-from benchmarks.overhead import HeldBytes
+from bayesify.layers import rank1_op
 from bayesify.layers.rank1_op import fold_weight
+from benchmarks.overhead import HeldBytes
 
 K = 4
 
@@ -64,15 +69,19 @@ def _converted(name: str, sampling: str) -> tuple[nn.Module, torch.Tensor]:
     return model.train(), torch.randn(*shape, dtype=torch.float64)
 
 
+@contextlib.contextmanager
+def _plain_path() -> Iterator[None]:
+    """The reference: the per-row op as autograd's own ops (not one node: ``rank1_op._one_node`` off), under an
+    outer saved-tensor hook, which makes bayesify save everything as usual."""
+    with mock.patch.object(rank1_op, "_one_node", lambda *tensors: False), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        yield
+
+
 def _grads(model: nn.Module, x: torch.Tensor, plain: bool) -> dict[str, torch.Tensor]:
-    """One seeded training step's gradients; ``plain``: under an outer saved-tensor hook, which makes
-    bayesify save everything as usual (the reference)."""
+    """One seeded training step's gradients; ``plain``: by the reference path (:func:`_plain_path`)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    if plain:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            loss = F.cross_entropy(model(x), torch.arange(x.shape[0]) % 5)
-    else:
+    with _plain_path() if plain else contextlib.nullcontext():
         loss = F.cross_entropy(model(x), torch.arange(x.shape[0]) % 5)
     (loss + bayesify.kl_divergence(model) / 100).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -90,12 +99,8 @@ def test_gradients_are_those_of_the_plain_path(name: str, sampling: str) -> None
 
 def _held(model: nn.Module, x: torch.Tensor, plain: bool) -> int:
     record = HeldBytes()
-    with record:
-        if plain:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                loss = model(x).square().mean()
-        else:
-            loss = model(x).square().mean()
+    with record, _plain_path() if plain else contextlib.nullcontext():
+        loss = model(x).square().mean()
     held = record.held()
     loss.backward()
     return held
@@ -222,3 +227,93 @@ def test_fold_weight_with_factors_of_another_dtype() -> None:
     for mine, reference in zip(*grads):
         assert mine.dtype == reference.dtype
         torch.testing.assert_close(mine, reference)
+
+
+# The per-row op of a layer whose map is known (a zero-padded convolution, nn.Linear, Hugging Face Conv1D) runs as
+# one autograd node with the map's backward written out (rank1_op._Rank1Map): checked against autograd's own ops.
+def _known_layers() -> dict[str, tuple[nn.Module, tuple[int, ...]]]:
+    layers = {
+        "linear-2d": (nn.Linear(5, 7), (6, 5)),
+        "linear-3d": (nn.Linear(5, 7), (6, 3, 5)),
+        "conv2d-strided-grouped": (nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=1, groups=2), (6, 4, 7, 7)),
+        "conv1d-dilated": (nn.Conv1d(3, 4, 3, padding=2, dilation=2), (6, 3, 9)),
+        "conv3d": (nn.Conv3d(2, 3, 2, padding=(1, 0, 1)), (6, 2, 3, 4, 3)),
+    }
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return layers
+    layers["hf-conv1d"] = (Conv1D(7, 5), (6, 3, 5))
+    return layers
+
+
+KNOWN = _known_layers()
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN))
+def test_the_one_node_op_is_the_plain_ops(name: str) -> None:
+    torch.manual_seed(0)
+    layer, shape = KNOWN[name]
+    model = bayesify.convert(nn.Sequential(layer).double(), components=K, sampling="example").train()
+    with torch.no_grad():
+        model[0].rank1_bias.copy_(torch.randn_like(model[0].rank1_bias))  # an offset to differentiate as well
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run(plain: bool) -> tuple[torch.Tensor, ...]:
+        torch.manual_seed(1)
+        with _plain_path() if plain else contextlib.nullcontext():
+            out = model(x)
+            grads = torch.autograd.grad(out.square().sum(), [x, *params], create_graph=True)
+            # the second order too: the gradient's own gradient (double backward through the node)
+            again = torch.autograd.grad(sum(g.square().sum() for g in grads), [x, *params])
+        return (out, *grads, *again)
+
+    calls = []
+    original = rank1_op._Rank1Map.apply
+    with mock.patch.object(rank1_op._Rank1Map, "apply", lambda *a: calls.append(1) or original(*a)):
+        one_node = run(plain=False)
+    assert calls, "the known map did not take the one-node path"
+    for got, want in zip(one_node, run(plain=True)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_the_one_node_op_under_autocast_gives_the_plain_ops_gradients() -> None:
+    torch.manual_seed(0)
+    model = bayesify.convert(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 4)),
+                             components=K, sampling="example").train()  # fmt: skip
+    x = torch.randn(8, 3, 6, 6)
+
+    def grads(plain: bool) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        with _plain_path() if plain else contextlib.nullcontext(), torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+        assert out.dtype == torch.bfloat16
+        out.float().square().mean().backward()
+        return [p.grad for p in model.parameters()]
+
+    for got, want in zip(grads(False), grads(True)):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+
+
+def test_the_one_node_op_saves_two_ops_a_layer() -> None:
+    # the recomputing hooks' unpack dispatches a detach per tensor the map saved: two per layer and step
+    from benchmarks.overhead import op_calls
+
+    torch.manual_seed(0)
+    model = bayesify.convert(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)),
+                             components=K, sampling="example").train()  # fmt: skip
+    x = torch.randn(8, 3, 6, 6)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+
+    step()
+    one_node = op_calls(step)
+    with mock.patch.object(rank1_op, "_one_node", lambda *tensors: False):
+        step()
+        two_nodes = op_calls(step)
+    assert two_nodes - one_node >= 2 * 2
