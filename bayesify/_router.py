@@ -152,21 +152,18 @@ class Router:
         scales: dict = {}  # group number: its posterior scale, shared by both kinds of draw
         # a traced pass (torch.compile, torch.export; its batch may be symbolic) neither learns nor takes ahead
         needs = {} if torch.compiler.is_compiling() else self.needs.get(state.signature, {})
-        for kind, components in (("rows", state.rows), ("blocks", state.block_components)):
+        for kind, components in (("blocks", state.block_components), ("rows", state.rows)):
             if components is None:
                 continue
             if kind == "rows" and not state.spec.noise and not any(k == "rows" for k, _ in needs):
                 # no noise, no random numbers to keep in step: a value per row ([K*B, total] in a mixture
                 # evaluation) only once a layer has asked for one; until then it gathers its own
                 continue
-            if kind == "blocks" and state.spec.noise:
-                # a block's sample is its first row's: each block still gets its own independent draw, and the
-                # step makes one draw per group instead of two (about ten ops fewer forward and backward); taken
-                # out of the rows' values when a layer asks for it (_block_values)
-                continue
             if kind == "blocks" and state.fixed_components == tuple(range(self.components)):
                 components = None  # every component in order: the tables themselves, no gather
             for group in self.groups:
+                if kind == "blocks" and not (state.spec.noise and group.sampled):
+                    continue  # no random numbers to keep in step: gathered when a layer asks (_full)
                 scale = None
                 if state.spec.noise and group.sampled:
                     if group.key not in scales:
@@ -176,21 +173,9 @@ class Router:
         # (a compiled graph fuses the slices of its own: learning the takes would only recompile it)
         for (kind, like), groups in needs.items():
             for key, slots in groups.items():
-                full = state.full.get((key, kind))
-                if full is None and kind == "blocks" and state.spec.noise and state.blocks is not None:
-                    full = self._block_values(state, key)
+                full = self._full(state, key, kind)
                 if full is not None:
                     state.draws[(key, kind, like)] = self.groups[key].take(full, sorted(slots), like)
-
-    def _block_values(self, state: ForwardState, key: int) -> Tensor | None:
-        """Group ``key``'s value per block of a pass with noise: its first row's value (see :meth:`draw_ahead`)."""
-        rows = state.full.get((key, "rows"))
-        if rows is None:
-            return None
-        starts = _block_starts(state.blocks)
-        values = rows[::starts] if isinstance(starts, int) else rows.index_select(0, starts.to(rows.device))
-        state.full[(key, "blocks")] = values
-        return values
 
     def drawn(self, state: ForwardState, group: Any, slot: int, kind: str, like: tuple | None = None) -> Tensor | None:
         """Table ``slot`` of ``group`` as drawn for ``state`` (``kind``: "blocks" or "rows"; ``like``: the
@@ -204,13 +189,21 @@ class Router:
         if not torch.compiler.is_compiling():
             shapes = self.needs.setdefault(state.signature, {})
             shapes.setdefault((kind, like), {}).setdefault(group.key, set()).add(slot)
-        full = state.full.get((group.key, kind))
-        if full is None and kind == "blocks" and state.spec.noise and state.blocks is not None:
-            full = self._block_values(state, group.key)
+        full = self._full(state, group.key, kind)
         if full is None:
             return None  # not drawn for this pass (a value per row without noise): the layer gathers its own
         start = group.starts[slot]
         return full[:, start : start + group.sizes[slot]]
+
+    def _full(self, state: ForwardState, key: int, kind: str) -> Tensor | None:
+        """Group ``key``'s values of ``kind`` for the pass: as drawn ahead, or (a value per block that takes no
+        random numbers: bias offsets, or the posterior means) gathered now, once, as the first layer asks."""
+        full = state.full.get((key, kind))
+        group = self.groups[key]
+        if full is None and kind == "blocks" and state.block_components is not None and not (state.spec.noise and group.sampled):
+            components = None if state.fixed_components == tuple(range(self.components)) else state.block_components
+            full = state.full[(key, kind)] = group.draw_all(components, False)
+        return full
 
     @property
     def components(self) -> int:
@@ -444,20 +437,6 @@ def _balanced_blocks(components: int, batch: int, device: torch.device) -> tuple
     else:  # the same, as one gather by each row's block number (made once per batch size): two ops fewer a step
         rows = order.index_select(0, _block_numbers(tuple(sizes)).to(order.device))
     return rows.to(device, non_blocking=True), blocks, order.to(device, non_blocking=True)
-
-
-def _block_starts(blocks: tuple[Block, ...]) -> int | Tensor:
-    """The first row of each block: as the step of a strided slice (a view) when the blocks are equal runs that
-    start at 0, else as an index (on the CPU)."""
-    size = blocks[0][1] - blocks[0][0]
-    if size > 0 and all(start == i * size and stop - start == size for i, (start, stop) in enumerate(blocks)):
-        return size
-    return _starts_index(tuple(start for start, _ in blocks))
-
-
-@functools.lru_cache(maxsize=16)
-def _starts_index(starts: tuple[int, ...]) -> Tensor:
-    return torch.tensor(starts, dtype=torch.long, device=torch.device("cpu"))
 
 
 @functools.lru_cache(maxsize=16)

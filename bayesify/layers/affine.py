@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from bayesify.config import Rank1Config
 from bayesify.layers._intercept import split_call
 from bayesify.layers.base import Draw, Rank1Layer
-from bayesify.layers.rank1_op import KnownMap, fold_weight, fold_weights, rank1_affine, rank1_folded, run_blocks
+from bayesify.layers.rank1_op import KnownMap, fold_weight, fold_weights, rank1_affine, rank1_folded, run_blocks, with_bias
 from bayesify.options import Perturbation, Sampling
 
 __all__ = ["Fold", "Rank1Affine"]
@@ -212,13 +212,9 @@ class Rank1Affine(Rank1Layer):
         # the per-row values in the shape that broadcasts against the activations, where the draw ahead has them so
         like = None if batch_axis is None or additive or core_adds_bias else (x.dim(), batch_axis, channel_axis)
         offset = draw.gather("rank1_bias", like)
-        if bias is not None and not core_adds_bias:
-            if offset is None:
-                offset = bias.unsqueeze(0)
-            elif offset.dim() > 2 and channel_axis % offset.dim() != offset.dim() - 1:
-                offset = offset + bias.view(-1, *(1,) * (offset.dim() - 1 - channel_axis % offset.dim()))
-            else:
-                offset = offset + bias
+        if known is None or additive or core_adds_bias:
+            offset = with_bias(offset, None if core_adds_bias else bias, channel_axis)
+            bias = bias if core_adds_bias else None
         s, r = draw.sample(self.rank1_s, self.rank1_r, like=like)
         return rank1_affine(
             x,
@@ -231,6 +227,7 @@ class Rank1Affine(Rank1Layer):
             channel_axis=channel_axis,
             core_bias=bias if core_adds_bias else None,
             known=known,
+            bias=None if core_adds_bias else bias,
         )
 
     def _rank1_members_folded(self, x: Tensor, draw: Draw, fold: Fold, bias: Tensor | None, batch_axis: int) -> Tensor:

@@ -40,6 +40,7 @@ from bayesify.layers._recompute import recomputing
 
 __all__ = [
     "KnownMap", "broadcast_rows", "dense_blocks", "fold_weight", "fold_weights", "rank1_affine", "rank1_folded", "run_blocks",
+    "with_bias",
 ]  # fmt: skip
 
 
@@ -78,6 +79,7 @@ def rank1_affine(
     channel_axis: int = -1,
     core_bias: Tensor | None = None,
     known: KnownMap | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """``core(x o s) o r + offset`` (or the additive form) with per-row factors.
 
@@ -93,17 +95,21 @@ def rank1_affine(
         known: ``core`` with its backward written out (a plain convolution or dense map): with gradients to
             take, the whole op is then one autograd node, which makes ``x o s`` again in its backward pass
             without saved-tensor hooks (whose unpacking costs two ops per layer and step).
+        bias: ``[out]``, the layer's own bias, added after the scaling as ``offset`` is (kept apart from
+            ``offset`` so that the one node takes its gradient in one sum).
 
     Returns:
         The layer's output for every row.
     """
     if additive or core_bias is not None:
+        offset = with_bias(offset, bias, channel_axis)
         return _rank1_affine_broadcast(x, core, s, r, offset, additive, batch_axis, channel_axis, core_bias)
     s = s.to(x.dtype)
-    if known is not None and _one_node(x, s, r, offset, known.weight):
+    if known is not None and _one_node(x, s, r, offset, bias, known.weight):
         s_b = s.view(shape) if (shape := _row_shape(s, x.dim(), batch_axis, channel_axis)) is not None else s
         if kernels.plan(x, s_b, None, batch_axis, channel_axis) is None:  # (the fused kernels take the path below)
-            return _rank1_known(x, s_b, r, offset, known, batch_axis, channel_axis)
+            return _rank1_known(x, s_b, r, offset, bias, known, batch_axis, channel_axis)
+    offset = with_bias(offset, bias, channel_axis)
     scaled, s_b, product = _scale(x, s, _row_shape(s, x.dim(), batch_axis, channel_axis), batch_axis, channel_axis)
     with recomputing(scaled, product, x, s_b):  # the core's saved copy of x o s: made again in backward
         out = core(scaled)
@@ -286,11 +292,22 @@ class _ScaleShift(torch.autograd.Function):
 
 
 
-def _one_node(x: Tensor, s: Tensor, r: Tensor, offset: Tensor | None, weight: Tensor) -> bool:
+def with_bias(offset: Tensor | None, bias: Tensor | None, channel_axis: int) -> Tensor | None:
+    """The per-row ``offset`` (``[n, out]``, or shaped like the activations) plus the layer's ``[out]`` bias."""
+    if bias is None:
+        return offset
+    if offset is None:
+        return bias.unsqueeze(0)
+    if offset.dim() > 2 and channel_axis % offset.dim() != offset.dim() - 1:
+        return offset + bias.view(-1, *(1,) * (offset.dim() - 1 - channel_axis % offset.dim()))
+    return offset + bias
+
+
+def _one_node(x: Tensor, s: Tensor, r: Tensor, offset: Tensor | None, bias: Tensor | None, weight: Tensor) -> bool:
     """Whether the per-row op runs as :class:`_Rank1Map`: gradients wanted, outside a traced graph (compile and
     export fuse the plain ops their own way) and outside functorch's transforms (the node has no vmap rule)."""
     return (
-        _grad_wanted(x, s, r, offset, weight)
+        _grad_wanted(x, s, r, offset, bias, weight)
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
         and not torch._C._are_functorch_transforms_active()
@@ -298,36 +315,46 @@ def _one_node(x: Tensor, s: Tensor, r: Tensor, offset: Tensor | None, weight: Te
 
 
 def _rank1_known(
-    x: Tensor, s_b: Tensor, r: Tensor, offset: Tensor | None, known: KnownMap, batch_axis: int | None, channel_axis: int
-) -> Tensor:
+    x: Tensor, s_b: Tensor, r: Tensor, offset: Tensor | None, bias: Tensor | None, known: KnownMap,
+    batch_axis: int | None, channel_axis: int,
+) -> Tensor:  # fmt: skip
     r_shape = _row_shape(r, x.dim(), batch_axis, channel_axis)  # the map keeps the layout: out has x's rank
     offset_shape = None if offset is None else _row_shape(offset, x.dim(), batch_axis, channel_axis)
-    return _Rank1Map.apply(x, s_b, known.weight, r, offset, r_shape, offset_shape, known)
+    channel = channel_axis % x.dim()
+    bias_shape = None if bias is None or channel == x.dim() - 1 else (-1, *(1,) * (x.dim() - 1 - channel))
+    return _Rank1Map.apply(x, s_b, known.weight, r, offset, bias, (r_shape, offset_shape, bias_shape), known)
 
 
 class _Rank1Map(torch.autograd.Function):
-    # ``map(x o s) o r + offset`` as one node: three ops forward; backward the two scalings' gradients (a multiply
-    # and a sum each), the map's own backward (one op for a convolution) on ``x o s`` made again from ``x`` (kept
-    # anyway) and ``s``: the memory of the recomputing path (see _recompute.py) without its hooks' two unpack ops
-    # per layer. ``y = map(x o s)`` is kept for ``r``'s gradient, as the two-node path keeps it.
+    # ``map(x o s) o r + offset + bias`` as one node: three ops forward (four with a bias); backward the scalings'
+    # gradients (a multiply and a sum each), the map's own backward (one op for a convolution) on ``x o s`` made
+    # again from ``x`` (kept anyway) and ``s``: the memory of the recomputing path (see _recompute.py) without its
+    # hooks' two unpack ops per layer, and the bias's gradient in one sum. ``y = map(x o s)`` is kept for ``r``'s
+    # gradient, as the two-node path keeps it.
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: Tensor, s_b: Tensor, weight: Tensor, r: Tensor, offset: Tensor | None,
-        shape: tuple | None, offset_shape: tuple | None, known: KnownMap,
+        ctx: Any, x: Tensor, s_b: Tensor, weight: Tensor, r: Tensor, offset: Tensor | None, bias: Tensor | None,
+        shapes: tuple, known: KnownMap,
     ) -> Tensor:  # fmt: skip
+        shape, offset_shape, bias_shape = shapes
         y = known.forward(x * s_b, weight)  # (under autocast the map runs in its dtype, and y has it)
         r_b = (r if shape is None else r.view(shape)).to(y.dtype)
-        offset_b = None if offset is None else (offset if offset_shape is None else offset.view(offset_shape)).to(y.dtype)
-        ctx.known, ctx.shapes = known, (shape, offset_shape)
-        ctx.rows = (r.shape, r.dtype, None if offset is None else offset.shape, None if offset is None else offset.dtype)
+        shift = None if offset is None else offset if offset_shape is None else offset.view(offset_shape)
+        if bias is not None:  # added to the offset before the cast, as the two-node path does (the same bf16 values)
+            bias_b = bias if bias_shape is None else bias.view(bias_shape)
+            shift = bias_b.unsqueeze(0) if shift is None and bias_shape is None else bias_b if shift is None else shift + bias_b
+        ctx.known, ctx.shapes = known, shapes
+        ctx.dtypes = (r.dtype, None if offset is None else offset.dtype, None if bias is None else bias.dtype)
+        ctx.rows = (r.shape, None if offset is None else offset.shape)
         ctx.save_for_backward(x, s_b, weight, r, r_b, y)
-        return y * r_b if offset_b is None else torch.addcmul(offset_b, y, r_b)
+        return y * r_b if shift is None else torch.addcmul(shift.to(y.dtype), y, r_b)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x, s_b, weight, r, r_b, y = ctx.saved_tensors
-        shape, offset_shape = ctx.shapes
-        r_rows, r_dtype, offset_rows, offset_dtype = ctx.rows
+        shape, offset_shape, bias_shape = ctx.shapes
+        r_dtype, offset_dtype, bias_dtype = ctx.dtypes
+        r_rows, offset_rows = ctx.rows
         needs = ctx.needs_input_grad
         scaled = x * s_b  # made again: the map's backward needs its input
         if torch.is_grad_enabled():
@@ -335,7 +362,15 @@ class _Rank1Map(torch.autograd.Function):
             y = ctx.known.forward(scaled, weight)
             r_b = (r if shape is None else r.view(shape)).to(y.dtype)
         d_r = _to_rows(grad * y, r_rows, shape).to(r_dtype) if needs[3] else None
-        d_offset = _to_rows(grad, offset_rows, offset_shape).to(offset_dtype) if needs[4] else None
+        # the offset's gradient summed to its rows in the output's dtype, then cast, and the bias's summed from it
+        # over the rows (from the output's gradient where there is no offset): the two-node path's sums, in its order
+        # (the same bf16 values under autocast, and no activation-sized cast)
+        d_offset = None if offset_rows is None or not (needs[4] or needs[5]) else _to_rows(grad, offset_rows, offset_shape).to(offset_dtype)
+        d_bias = None
+        if needs[5]:  # every axis but the channels', in one sum
+            source = grad if d_offset is None else d_offset
+            channel = source.dim() - 1 if bias_shape is None or source.dim() == 2 else source.dim() - len(bias_shape)
+            d_bias = source.sum([i for i in range(source.dim()) if i != channel]).to(bias_dtype)
         d_x = d_s = d_weight = None
         if needs[0] or needs[1] or needs[2]:
             dtype = grad.dtype  # the map's (autocast's) dtype
@@ -348,7 +383,7 @@ class _Rank1Map(torch.autograd.Function):
                 d_scaled = d_scaled.to(x.dtype)
                 d_x = d_scaled * s_b if needs[0] else None
                 d_s = _to_rows(d_scaled * x, s_b.shape, None) if needs[1] else None
-        return d_x, d_s, d_weight, d_r, d_offset, None, None, None
+        return d_x, d_s, d_weight, d_r, d_offset if needs[4] else None, d_bias, None, None
 
 
 def fold_weight(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, transposed: bool = False) -> Tensor:
@@ -398,22 +433,29 @@ def _fold(weight: Tensor, rows: Tensor, columns: Tensor, groups: int) -> Tensor:
 
 
 class _FoldWeights(torch.autograd.Function):
-    # the fewest ops: two views and two multiplies forward; backward recomputes the outer product r s^T (no
-    # weight-sized intermediate is kept) and takes each gradient as one multiply and one sum
+    # the fewest ops: two views and two multiplies forward; backward takes each gradient as one multiply and one
+    # sum, with forward's views of the factors and (where it is smaller than the weight: a kernel of K or more
+    # taps) its outer product r s^T; a weight-sized one (a dense layer's) is made again instead of kept
     @staticmethod
     def forward(ctx: Any, weight: Tensor, rows: Tensor, columns: Tensor, groups: int) -> Tensor:  # type: ignore[override]
         ctx.groups, ctx.shapes = groups, (rows.shape, columns.shape)
         ctx.save_for_backward(weight, rows, columns)  # the inputs, so that a double backward reaches them
-        return _fold(weight, rows, columns, groups)
+        r, c = _factor_views(rows, columns, weight, groups)
+        outer = r * c
+        ctx.views = (r, c, outer if outer.numel() <= weight.numel() else None)  # (first-order backward only)
+        return weight * outer
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         weight, rows, columns = ctx.saved_tensors
         groups, (rows_shape, columns_shape) = ctx.groups, ctx.shapes
-        r, c = _factor_views(rows, columns, weight, groups)
+        r, c, outer = ctx.views  # (kept for another backward of a retained graph)
+        if torch.is_grad_enabled():  # a double backward: made again from the inputs, so that the graph reaches them
+            r, c = _factor_views(rows, columns, weight, groups)
+            outer = None
         d_weight = d_rows = d_columns = None
         if ctx.needs_input_grad[0]:
-            d_weight = (grad * (r * c)).sum(0).to(weight.dtype)  # each fold's share, summed
+            d_weight = (grad * (r * c if outer is None else outer)).sum(0).to(weight.dtype)  # each fold's share, summed
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             q = grad * weight  # d/d(outer), summed over the kernel below
             spatial = tuple(i for i in range(3, q.dim()) if q.shape[i] > 1)
