@@ -1,8 +1,9 @@
 """Saved tensors kept as their recipe: what the rank-1 op does not hold between forward and backward.
 
 The per-row path makes the scaled input ``x o s``, which the layer's own map then saves for its
-backward pass (a map whose backward bayesify knows, a convolution or a dense layer, runs as one autograd
-node that makes it again itself: ``rank1_op._Rank1Map``; this module serves every other map): one more activation-sized tensor per layer than the original network holds. It is
+backward pass: one more activation-sized tensor per layer than the original network holds. (A map
+whose backward bayesify knows, a convolution or a dense layer, runs as one autograd node that makes
+it again itself, ``rank1_op._Rank1Map``; this module serves every other map.) It is
 cheap to make again from what is kept anyway: ``x``, which the scaling keeps for ``s``'s gradient
 (and which is usually the previous layer's saved output), and the small per-row ``s``. Under
 :func:`recomputing`, a saved tensor that is such a product (or a view of one, as ``F.linear`` saves
