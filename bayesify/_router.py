@@ -121,13 +121,13 @@ class Router:
     needs: dict = field(default_factory=dict)
     # the tiled routes' row indices by (members, rows each, device): the same for every batch of a size, so made once
     # (five ops a pass, a tenth of a small model's evaluation)
-    member_rows: dict = field(default_factory=dict)
+    tiled_rows: dict = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
         # the forward pass in flight is not state to copy or save: after torch.export or torch.compile
         # it holds the tracer's fake tensors, which cannot be copied (copy.deepcopy, bayesify.merge)
         state = dict(self.__dict__)
-        state["state"], state["active"], state["needs"], state["member_rows"] = None, False, {}, {}
+        state["state"], state["active"], state["needs"], state["tiled_rows"] = None, False, {}, {}
         return state
 
     def _member_rows(self, members: int, rows_each: int, device: torch.device) -> Tensor:
@@ -135,11 +135,11 @@ class Router:
         if torch.compiler.is_compiling() or not isinstance(rows_each, int):
             return member_rows(members, rows_each, device)
         key = (members, rows_each, device)
-        rows = self.member_rows.get(key)
+        rows = self.tiled_rows.get(key)
         if rows is None:
-            if len(self.member_rows) >= 16:  # a few batch sizes (the last batch of an epoch) at most
-                self.member_rows.clear()
-            rows = self.member_rows[key] = member_rows(members, rows_each, device)
+            if len(self.tiled_rows) >= 16:  # a few batch sizes (the last batch of an epoch) at most
+                self.tiled_rows.clear()
+            rows = self.tiled_rows[key] = member_rows(members, rows_each, device)
         return rows
 
     def draw_ahead(self, state: ForwardState) -> None:

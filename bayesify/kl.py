@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from bayesify.inspection import rank1_layers
+from bayesify.sharding import whole
 from bayesify.variational.divergence import total_kl
 
 __all__ = ["kl_divergence", "kl_loss"]
@@ -38,19 +39,9 @@ def kl_divergence(model: nn.Module) -> Tensor:
     if total is None:  # only delta posteriors (BatchEnsemble)
         first = next((p for layer in layers for p in layer.rank1_parameters()), None)
         return torch.zeros(()) if first is None else first.new_zeros(())
-    return _summed_over_ranks(total)
-
-
-def _summed_over_ranks(total: Tensor) -> Tensor:
-    """A model sharded with FSDP2, outside its forward pass: ``total`` is a partial sum (each rank's slice of
-    the store), a ``DTensor``. Its sum over the ranks, whose backward leaves each rank the gradient of its own
-    slice, so the KL is counted once in all (see ``bayesify/training/fsdp.py``)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(total, DTensor):
-            return total.full_tensor()
-    return total
+    # a model sharded with FSDP2, outside its forward pass: the store is a sharded DTensor and `total` each rank's
+    # partial sum, summed over the ranks here, so the KL is counted once in all (see bayesify/training/fsdp.py)
+    return whole(total)
 
 
 def kl_loss(model: nn.Module, num_train: int, *, step: int | None = None, warmup_steps: int = 0) -> Tensor:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from bayesify.convert import revert
 from bayesify.hf import keep_untied
 from bayesify.inspection import num_components, rank1_layers
+from bayesify.sharding import is_sharded
 
 __all__ = ["merge"]
 
@@ -68,7 +69,7 @@ def merge(model: nn.Module, component: int) -> nn.Module:
         raise ValueError(
             f"{type(model).__name__} has no rank-1 layers to merge; merge() takes a model returned by bayesify.convert."
         )
-    if _sharded(model):
+    if is_sharded(model):
         raise ValueError(
             f"{type(model).__name__} is sharded (FSDP); gather it first: plain = bayesify.training.gather(model, "
             "into=<the same model, converted, unsharded>), then bayesify.merge(plain, component)."
@@ -135,11 +136,3 @@ def _parameter_holders(model: nn.Module) -> tuple[dict[int, set[tuple[int, str]]
         names[id(param)].append(name)
     return holders, names
 
-
-def _sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 sharded ``model`` or a module in it (its weights are then pieces on each rank)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())

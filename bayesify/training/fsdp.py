@@ -36,36 +36,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from bayesify import hf
+from bayesify.sharding import is_sharded, whole
 
 __all__ = ["find_blocks", "gather", "is_sharded", "shard", "whole"]
 
 BlockSpec = Iterable["type[nn.Module] | str"]
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` (or a module inside it) was sharded with FSDP2's ``fully_shard``."""
-    if not dist.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-def whole(value: torch.Tensor) -> torch.Tensor:
-    """``value`` in full on every rank: a sharded Parameter (``DTensor``) gathered, a partial sum over shards
-    (``p.pow(2).sum()`` of one) summed over the ranks; a plain tensor as it is. Autograd-aware: the backward
-    leaves each rank the gradient of its own shard (nothing to average), as for a full Parameter."""
-    if dist.is_available() and dist.is_initialized():
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(value, DTensor):
-            return value.full_tensor()
-    return value
 
 
 def _class_names(spec: BlockSpec) -> tuple[set[type], set[str]]:

@@ -42,7 +42,7 @@ from bayesify.kl import kl_divergence, kl_scale
 from bayesify.mixture import logmeanexp
 from bayesify.options import StrOption
 from bayesify.predictive.tasks import Auto, Task, TaskName, resolve_task
-from bayesify.training.fsdp import whole
+from bayesify.sharding import whole
 
 __all__ = [
     "Likelihood",
