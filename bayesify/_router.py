@@ -41,6 +41,7 @@ from bayesify.mixture import split_members, tile
 from bayesify.options import Route, Sampling
 from bayesify.predictive.outputs import is_packed, reduce_output
 from bayesify.predictive.tasks import Auto, Task
+from bayesify.variational import distributions
 
 if TYPE_CHECKING:
     from bayesify.config import Rank1Config
@@ -83,9 +84,12 @@ class ForwardState:
     # the factors and offsets drawn for this pass, for the whole model at once, in the root's pre-hook (outside any
     # checkpointed region, so a recomputation in the backward pass takes the very same values): every table,
     # {(group number, kind): [m, total]} (kind "blocks": a value per block; "rows": per row), and the tables
-    # taken out of them as the layers take them, {(group number, kind, like): {slot: values}}
+    # taken out of them as the layers take them, {(group number, kind, like): {slot: values}}; the groups' tables
+    # joined for this pass, {(group number, "loc" / "rho"): [K, total] or None where they cannot be joined}
     full: dict = field(default_factory=dict)
     draws: dict = field(default_factory=dict)
+    joined: dict = field(default_factory=dict)
+    noise: dict = field(default_factory=dict)  # {(group number, kind): eps} for a group not joined this pass
 
     @property
     def signature(self) -> tuple:
@@ -102,6 +106,7 @@ class Routing(NamedTuple):
     fixed_components: tuple[int, ...] | None = None  # the same as Python ints, when the route fixes them
     forward: ForwardState | None = None  # the routed pass these rows belong to (its draws), if any
     repeat: int = 1  # rows of this call per routed row: 1 the same rows, f > 1 each repeated f times, 0 the first only
+    noise: bool = True  # whether the call samples its factors
 
 
 @dataclass
@@ -164,12 +169,23 @@ class Router:
             for group in self.groups:
                 if kind == "blocks" and not (state.spec.noise and group.sampled):
                     continue  # no random numbers to keep in step: gathered when a layer asks (_full)
+                loc = self._joined(state, group, "loc")
+                if loc is None:
+                    # its tables are not alike this pass (FSDP2: sharded until each block's forward): only the random
+                    # numbers now, the values from each layer's own tables when it asks (_drawn_alone)
+                    if state.spec.noise and group.sampled:
+                        rows = self.components if components is None else components.shape[0]
+                        state.noise[(group.key, kind)] = group.noise(rows)
+                    continue
                 scale = None
                 if state.spec.noise and group.sampled:
                     if group.key not in scales:
-                        scales[group.key] = group.scale()
+                        rho = self._joined(state, group, "rho")
+                        scales[group.key] = None if rho is None else distributions.scale(rho)
                     scale = scales[group.key]
-                state.full[(group.key, kind)] = group.draw_all(components, state.spec.noise, scale)
+                    if scale is None:
+                        continue
+                state.full[(group.key, kind)] = group.draw_all(loc, components, state.spec.noise, scale)
         # (a compiled graph fuses the slices of its own: learning the takes would only recompile it)
         for (kind, like), groups in needs.items():
             for key, slots in groups.items():
@@ -191,6 +207,12 @@ class Router:
             shapes.setdefault((kind, like), {}).setdefault(group.key, set()).add(slot)
         full = self._full(state, group.key, kind)
         if full is None:
+            eps = state.noise.get((group.key, kind))
+            if eps is not None:  # drawn alone: this table's values from its own Parameters and its columns of eps
+                components = state.block_components if kind == "blocks" else state.rows
+                if kind == "blocks" and state.fixed_components == tuple(range(self.components)):
+                    components = None
+                return group.draw_one(slot, components, eps)
             return None  # not drawn for this pass (a value per row without noise): the layer gathers its own
         start = group.starts[slot]
         return full[:, start : start + group.sizes[slot]]
@@ -201,9 +223,20 @@ class Router:
         full = state.full.get((key, kind))
         group = self.groups[key]
         if full is None and kind == "blocks" and state.block_components is not None and not (state.spec.noise and group.sampled):
+            loc = self._joined(state, group, "loc")
+            if loc is None:
+                return None
             components = None if state.fixed_components == tuple(range(self.components)) else state.block_components
-            full = state.full[(key, kind)] = group.draw_all(components, False)
+            full = state.full[(key, kind)] = group.draw_all(loc, components, False)
         return full
+
+    @staticmethod
+    def _joined(state: ForwardState, group: Any, name: str) -> Tensor | None:
+        """``group``'s tables joined for this pass (:meth:`~bayesify.variational.store.TableGroup.joined`), once."""
+        key = (group.key, name)
+        if key not in state.joined:
+            state.joined[key] = group.joined(name)
+        return state.joined[key]
 
     @property
     def components(self) -> int:
@@ -244,36 +277,67 @@ class Router:
         """
         return self.active or (self.state is not None and _in_backward())
 
-    @property
-    def noise(self) -> bool:
-        """Whether layers sample their factors now (outside a routed forward pass: always)."""
-        return self.state.spec.noise if self.live() and self.state is not None else True
+    def noise_for(self, training: bool) -> bool:
+        """Whether a layer in ``training`` mode samples its factors now: as the pass in flight says, or outside
+        one as ``mode()`` says, else the default for the layer's train / eval state."""
+        if self.live() and self.state is not None:
+            return self.state.spec.noise
+        return self.resolve(training).noise
 
-    def rows_for(self, n: int, device: torch.device) -> Routing:
+    def rows_for(self, n: int, device: torch.device, layer: nn.Module | None = None) -> Routing:
         """The routing of the ``n`` rows of a layer's input: each row's component, and the rows as blocks
-        of one component each when they run so."""
+        of one component each when they run so. ``layer`` is the one asking (its train / eval state and name
+        decide a call made outside the converted root's forward: :meth:`rows_outside`)."""
         state = self.state
         if state is None or not self.live():
-            # called outside the converted root's forward (a submodule used on its own):
-            # no shared routing exists, so each row gets its own random component
-            return Routing(torch.randint(self.components, (n,), device=device))
+            return self.rows_outside(n, device, layer)
+        noise = state.spec.noise
         rows, blocks, components, total = state.rows, state.blocks, state.block_components, state.rows.shape[0]
         fixed = state.fixed_components
         if total == 0:
             # an empty batch: its rows take the per-row path (no blocks, so no zero-row blocks to fold); a
             # batch-independent input still has rows, and with no example to follow they go through component 0
-            return Routing(rows if n == 0 else rows.new_zeros(n))
+            return Routing(rows if n == 0 else rows.new_zeros(n), noise=noise)
         if n == total:
-            return Routing(rows, blocks, components, fixed, state)
+            return Routing(rows, blocks, components, fixed, state, noise=noise)
         if n % total == 0:
             # extra axes folded into the batch, batch-major (e.g. windows): repeat each row's component
             factor = n // total
             scaled = None if blocks is None else tuple((a * factor, b * factor) for a, b in blocks)
-            return Routing(rows[:, None].expand(total, factor).reshape(-1), scaled, components, fixed, state, factor)
+            return Routing(rows[:, None].expand(total, factor).reshape(-1), scaled, components, fixed, state, factor, noise)
         # a batch-independent input (e.g. a table fed through an MLP): one component for the whole call
         if blocks is None:
-            return Routing(rows[:1].expand(n), forward=state, repeat=0)
-        return Routing(rows[:1].expand(n), ((0, n),), components[:1], None if fixed is None else fixed[:1], state, 0)
+            return Routing(rows[:1].expand(n), forward=state, repeat=0, noise=noise)
+        return Routing(rows[:1].expand(n), ((0, n),), components[:1], None if fixed is None else fixed[:1], state, 0, noise)
+
+    def rows_outside(self, n: int, device: torch.device, layer: nn.Module | None) -> Routing:
+        """A layer called outside the converted root's forward (a sub-module on its own: timm's
+        ``forward_features``, a feature extractor, a Hugging Face ``base_model``, one layer). No pass routes its
+        rows, so they follow rules every layer of the call applies alike, never a random choice per layer:
+
+        * ``mode(model, component=k)``: every row through member k (deterministic at ``noise=False``);
+        * training (the sample route): the rows in K balanced blocks in component order (row ``i`` of ``n``
+          through component ``i * K // n``, as every other layer of the call), factors sampled;
+        * the mixture (evaluation's default) and the tiled route tile the inputs and reduce the outputs in the
+          root's forward, which this call bypasses: a one-line error names what to do instead.
+        """
+        training = True if layer is None else layer.training
+        spec = self.resolve(training)
+        if spec.route is Route.COMPONENT:
+            rows = torch.full((n,), spec.component, dtype=torch.long, device=device)
+            return Routing(rows, ((0, n),), rows[:1], (spec.component,), noise=spec.noise)
+        if spec.route is Route.SAMPLE:
+            if n == 0:
+                return Routing(torch.zeros(0, dtype=torch.long, device=device), noise=spec.noise)
+            rows, blocks, components = _ordered_blocks(self.components, n, device)
+            return Routing(rows, blocks, components, tuple(range(len(blocks))), noise=spec.noise)
+        name = type(layer).__name__ if layer is not None else "a layer"
+        why = "evaluation's mixture reduces the members' outputs" if spec.route is Route.MIXTURE else "route='tile' tiles the inputs"
+        raise RuntimeError(
+            f"{name} was called outside the forward pass of its converted model, and {why} in that pass only; call "
+            "the whole model, or make the call inside `with bayesify.mode(model, component=k):` (member k, k < "
+            f"{self.components}; noise=False for its posterior mean)."
+        )
 
     # ---- hooks on the root module ------------------------------------------------------------
 
@@ -439,6 +503,16 @@ def _balanced_blocks(components: int, batch: int, device: torch.device) -> tuple
     return rows.to(device, non_blocking=True), blocks, order.to(device, non_blocking=True)
 
 
+def _ordered_blocks(components: int, batch: int, device: torch.device) -> tuple[Tensor, tuple[Block, ...], Tensor]:
+    """:func:`_balanced_blocks` with the components in order (block k through component k): the same for every
+    layer of a call outside the root's forward, so they all route a row alike with no shared state."""
+    base, extra = divmod(batch, components)
+    sizes = tuple(size for size in [base + 1] * extra + [base] * (components - extra) if size)
+    ends = list(itertools.accumulate(sizes))
+    blocks = tuple((end - size, end) for size, end in zip(sizes, ends))
+    return _block_numbers(sizes).to(device), blocks, torch.arange(len(sizes), device=device)
+
+
 @functools.lru_cache(maxsize=16)
 def _block_numbers(sizes: tuple[int, ...]) -> Tensor:
     """``[0, 0, ..., 1, ...]``: the block of each row, for blocks of ``sizes`` rows (on the CPU, as the order)."""
@@ -530,8 +604,15 @@ def find_root(model: nn.Module) -> nn.Module:
 
 
 def find_router(model: nn.Module) -> Router:
-    """The router of a converted model (also through wrappers such as DDP)."""
-    return find_root(model)._rank1_router
+    """The router of a converted model (also through wrappers such as DDP), or of the converted layers inside a
+    module that holds some of them without their root (a sub-module, a traced feature extractor)."""
+    for module in model.modules():
+        if is_root(module):
+            return module._rank1_router
+        state = module.__dict__.get("rank1_state")
+        if state is not None:
+            return state.router
+    return find_root(model)._rank1_router  # (raises: not converted)
 
 
 def split_output(model: nn.Module, output: Any) -> Any:

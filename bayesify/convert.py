@@ -145,7 +145,7 @@ def is_weight_bearing(module: nn.Module) -> bool:
     return any(
         sum(size > 1 for size in p.shape) >= 2
         for name, p in module.named_parameters(recurse=False)
-        if not name.startswith("rank1_")  # bayesify's own (the store of a converted root)
+        if not name.startswith("rank1_")  # bayesify's own
     )
 
 
@@ -309,7 +309,7 @@ def _plan(
 
 
 def _finish(model: nn.Module, config: Rank1Config, router: _router.Router, names: list[str], skipped: dict) -> None:
-    """After the swap: the model's task, the conversion report, the routing hooks, the flat store."""
+    """After the swap: the model's task, the conversion report, the routing hooks, the groups of tables."""
     if not _router.is_root(model) or isinstance(router.task, Auto):
         router.task = resolve_task(
             config.task, stated=infer_task(model), class_axis=config.class_axis, gaussian_variance=config.gaussian_variance
@@ -321,7 +321,7 @@ def _finish(model: nn.Module, config: Rank1Config, router: _router.Router, names
     model.__dict__["_rank1_report"] = report
     if not _router.is_root(model):
         _router.attach(model, router, root_layout=isinstance(model, ConvertedLayer))
-    # every factor and bias offset into the model's flat store: one draw, one KL, few optimizer tensors per step
+    # the factors and bias offsets in groups drawn together once per pass (each stays its layer's own Parameter)
     layers = [layer for _, layer in rank1_layers(model)]
     store.pack(model, layers)
     router.groups = list(dict.fromkeys(slot[0] for layer in layers for slot in store.slots_of(layer)))

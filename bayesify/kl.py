@@ -39,8 +39,8 @@ def kl_divergence(model: nn.Module) -> Tensor:
     if total is None:  # only delta posteriors (BatchEnsemble)
         first = next((p for layer in layers for p in layer.rank1_parameters()), None)
         return torch.zeros(()) if first is None else first.new_zeros(())
-    # a model sharded with FSDP2, outside its forward pass: the store is a sharded DTensor and `total` each rank's
-    # partial sum, summed over the ranks here, so the KL is counted once in all (see bayesify/training/fsdp.py)
+    # a sharded model's tables are summed over the ranks in total_kl; whole() gathers what a family's own
+    # terms may leave sharded, so the KL is counted once in all (see bayesify/training/fsdp.py)
     return whole(total)
 
 

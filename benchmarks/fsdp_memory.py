@@ -10,8 +10,8 @@ forward pass on the meta device. Per rank, with ``fully_shard`` on each decoder 
 
 * weights, gradients: fp32, sharded; Adam: two fp32 moments, sharded;
 * gathered: the largest working set of whole weights while a layer runs (the root's unit, which holds the
-  embeddings, the head and bayesify's store of factors, plus two decoder layers: the one running and the one
-  prefetched), fp32;
+  embeddings and the head with its factors, plus two decoder layers, each with its own factors: the one running
+  and the one prefetched), fp32;
 * activations: the tensors autograd saves for the backward pass of one micro-batch of ``--tokens`` tokens
   (fp32; bf16 halves it), measured per layer from a 1- and a 2-layer model, times the number of layers. The
   count is an upper bound for the converted model: it holds the per-row path's scaled input ``x o s``, which
@@ -111,13 +111,14 @@ def main() -> None:
             total = weights + grads + adam + gathered + acts[name]
             cells = [weights, factors, grads, adam, gathered, acts[name], total]
             print(f"| {name} | {ranks} | " + " | ".join(f"{c / GiB:.2f} GiB" if c >= 0.01 * GiB else f"{c / 2**20:.1f} MiB" for c in cells) + " |")
-    # where the store lives: sharded with the root's unit (as above), or replicated on every rank (ignored_params)
-    store = [p for name, p in converted.named_parameters() if name.startswith("rank1_store_")]
-    print("\nthe store of factors per rank, weights + gradients + Adam (16 bytes an entry):")
+    # the factors: each layer's own [K, F] tables, sharded by rows with their block's unit (as above), or replicated
+    # on every rank (ignored_params)
+    tables = [p for p in converted.parameters() if id(p) in rank1]
+    print("\nthe factors and bias offsets per rank, weights + gradients + Adam (16 bytes an entry):")
     for ranks in args.ranks:
-        sharded = sum(sharded_numel(p.shape, ranks) for p in store) * 16
-        replicated = sum(p.numel() for p in store) * 16
-        print(f"  N={ranks}: sharded with the root {sharded / 2**20:.1f} MiB, replicated {replicated / 2**20:.1f} MiB")
+        sharded = sum(sharded_numel(p.shape, ranks) for p in tables) * 16
+        replicated = sum(p.numel() for p in tables) * 16
+        print(f"  N={ranks}: sharded with their blocks {sharded / 2**20:.1f} MiB, replicated {replicated / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -136,9 +136,11 @@ def make_step(
     kl: Callable | None = None,
     amp: torch.dtype | None = None,
     compile: bool = False,
+    foreach: bool | None = None,
 ) -> Callable[[], None]:
-    """One SGD step of ``model`` on ``(x, y)`` (the labels tiled for ``route="tile"``)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    """One SGD step of ``model`` on ``(x, y)`` (the labels tiled for ``route="tile"``). ``foreach``: torch's
+    multi-tensor optimizer kernels (its default on a GPU; None: torch's default for the device)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=foreach)
     model.train()
     forward = torch.compile(model) if compile else model
 
@@ -227,19 +229,20 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
     rank1 = bayesify.convert(copy.deepcopy(base), components=k, sampling=args.sampling, **_task(base))
     tiled = copy.deepcopy(rank1)
     options = dict(amp=amp, compile=args.compile)
+    train_options = dict(options, foreach=True if getattr(args, "foreach", False) else None)
     steps = {
-        "det@B": make_step(copy.deepcopy(base), x, y, **options),
-        "det@KB": make_step(copy.deepcopy(base), x_tiled, y_tiled, **options),
+        "det@B": make_step(copy.deepcopy(base), x, y, **train_options),
+        "det@KB": make_step(copy.deepcopy(base), x_tiled, y_tiled, **train_options),
         "det eval@KB": make_eval(copy.deepcopy(base), x_tiled, **options),
-        "sample": make_step(rank1, x, y, kl=bayesify.kl_divergence, **options),
-        "tile": make_step(tiled, x, y, route="tile", kl=bayesify.kl_divergence, **options),
+        "sample": make_step(rank1, x, y, kl=bayesify.kl_divergence, **train_options),
+        "tile": make_step(tiled, x, y, route="tile", kl=bayesify.kl_divergence, **train_options),
         "mixture": make_eval(copy.deepcopy(rank1), x, **options),
     }
     if getattr(args, "default_route_only", False):  # compiled runs: each step compiles once, so time only the main row
         steps = {name: steps[name] for name in ("det@B", "sample")}
     if args.peers:
         be = bayesify.convert(copy.deepcopy(base), components=k, posterior="delta", sampling=args.sampling, **_task(base))
-        steps["delta"] = make_step(be, x, y, **options)
+        steps["delta"] = make_step(be, x, y, **train_options)
         try:
             from bayesian_torch.models.dnn_to_bnn import dnn_to_bnn, get_kl_loss
         except ImportError:
@@ -254,7 +257,7 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
                 peer = None
             if peer is not None:
                 peer.to(device)  # dnn_to_bnn makes its new layers on the CPU
-                steps["peer"] = make_step(peer, x, y, kl=get_kl_loss, **options)
+                steps["peer"] = make_step(peer, x, y, kl=get_kl_loss, **train_options)
     seconds = dict(zip(steps, time_steps(list(steps.values()), args.repeats)))
     trained = [n for n in ("det@B", "det@KB", "sample", "tile") if n in steps]
     memory = {} if args.compile else {n: held_activation_bytes(steps[n]) for n in trained}
@@ -363,6 +366,7 @@ def main() -> None:
     parser.add_argument("--default-route-only", action="store_true", help="only the default-route training row (compiled runs)")
     parser.add_argument("--no-recurrent", dest="recurrent", action="store_false", help="skip the LSTM / GRU rows")
     parser.add_argument("--profile", action="store_true", help="also print the op profile of the first model's steps")
+    parser.add_argument("--foreach", action="store_true", help="the optimizer's foreach kernels (torch's GPU default) on every device")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

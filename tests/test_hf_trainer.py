@@ -240,7 +240,7 @@ def test_decay_parameter_names_finds_bayesify_parameters_by_identity() -> None:
     model = tiny_gpt2()
     loc = next(bayesify.rank1_parameters(model))
     model.register_parameter("alias", loc)  # a rank-1 parameter under a name without rank1_ in it
-    names = ["alias", "lm_head.weight", "transformer.h.0.attn.c_attn.weight", "rank1_store_0_loc"]
+    names = ["alias", "lm_head.weight", "transformer.h.0.attn.c_attn.weight", "lm_head.rank1_s.loc"]
     names.append("transformer.h.0.attn.no_such_parameter")  # a slot holding None: kept, as the Trainer gave it
     assert bayesify.hf.decay_parameter_names(model, names) == [
         "lm_head.weight", "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.no_such_parameter"

@@ -191,12 +191,9 @@ class Rank1Affine(Rank1Layer):
             )
         draw = self.rank1_draw(1 if batch_axis is None else x.shape[batch_axis], x.device)
         additive = self.rank1_config.perturbation is Perturbation.ADDITIVE
-        state = self.rank1_state
-        if torch.is_grad_enabled():
-            state.folded = None  # training again: the members' weights kept for evaluation are stale
         folds = fold is not None and not additive and batch_axis is not None and self._rank1_folds(draw, x, fold.weight)
         if folds and not torch.is_grad_enabled() and _members_fixed(draw):
-            # evaluation at the posterior means: K cached weights, no pass over the activations. Only where
+            # evaluation at the posterior means: K folded weights, no pass over the activations. Only where
             # folding pays by the byte count: elsewhere K convolutions of B rows each run slower than the
             # per-row path's one of K*B rows (measured on the CPU: ResNet-18 at 32 px 1.37x vs 1.12x det)
             return self._rank1_members_folded(x, draw, fold, bias, batch_axis)
@@ -232,15 +229,11 @@ class Rank1Affine(Rank1Layer):
 
     def _rank1_members_folded(self, x: Tensor, draw: Draw, fold: Fold, bias: Tensor | None, batch_axis: int) -> Tensor:
         """Evaluation at the posterior means (no noise, no gradients, the route fixes each block's component):
-        every member is the original map with its own folded weight, the K weights folded once and kept
-        until a weight or a factor changes (``_version``), so the mixture costs the original network at K*B."""
-        state = self.rank1_state
-        key = (id(fold.weight), fold.weight._version, self.rank1_s.loc_version, self.rank1_r.loc_version,
-               fold.weight.dtype, fold.weight.device)  # fmt: skip
-        if state.folded is None or state.folded[0] != key:
-            weights = fold_weights(fold.weight, self.rank1_r.loc, self.rank1_s.loc, groups=fold.groups, transposed=fold.transposed)
-            state.folded = (key, weights, weights.unbind(0))  # and one by one (unbinding is an op per call)
-        _, weights, each = state.folded
+        every member is the original map with its own folded weight, the K weights folded in one op per call.
+        Nothing is kept between calls: a weight or factor changed in any way PyTorch allows (``.data``, a cast,
+        ``load_state_dict(assign=True)``) is what the next call folds."""
+        weights = fold_weights(fold.weight, self.rank1_r.loc, self.rank1_s.loc, groups=fold.groups, transposed=fold.transposed)
+        each = weights.unbind(0)
         offsets = self.rank1_bias  # [K, out] per component: the bias offset, plus the bias the caller gave
         if bias is not None:
             offsets = bias.expand(len(weights), -1) if offsets is None else offsets + bias

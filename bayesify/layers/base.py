@@ -59,7 +59,10 @@ def rank1_class(layer_class: type["ConvertedLayer"], base: type[nn.Module]) -> t
         name = f"Rank1{base.__name__}"
         cls = type(name, (layer_class, base), {"__rank1_wrapper__": layer_class, "__rank1_base__": base})
         cls.__qualname__ = name
-        cls.__module__ = layer_class.__module__
+        # a torch.nn layer stays a leaf for torch.fx (which decides by the class's module): a traced graph
+        # (torchvision's create_feature_extractor) calls the converted layer instead of tracing into its routing
+        torch_layer = base.__module__.startswith(("torch.nn.", "torch.ao.nn."))
+        cls.__module__ = base.__module__ if torch_layer else layer_class.__module__
         _GENERATED[key] = cls
     return _GENERATED[key]
 
@@ -85,16 +88,15 @@ class LayerState:
     router: Router  # shared by every layer of the model
     bias_offsets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # rank1_bias*: the biases it offsets
     busy: bool = False  # inside the base class's own forward: its weight reads are plain
-    cache: Any = None  # per-forward draws held across calls (recurrent layers)
-    folded: Any = None  # evaluation without noise: the K members' folded weights, kept while the weights are unchanged
+    cache: Any = None  # the draws of the forward pass in flight, for the layer's further calls in it (recurrent layers)
     bypassed_by: set[str] = field(default_factory=set)  # functions that used the weight directly (summary)
     intercepted_by: str | None = None  # the last function whose use of the weight was routed here
     load_hook: int | None = None  # id of the load_state_dict pre-hook in the layer's hook dict (revert removes it)
-    packed: dict[str, tuple[Any, int]] = field(default_factory=dict)  # bias offsets in the model's store: (group, slot)
+    packed: dict[str, tuple[Any, int]] = field(default_factory=dict)  # bias offsets drawn with a group: (group, slot)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["cache"] = state["folded"] = None  # draws of the last forward pass and derived weights are not state
+        state["cache"] = None  # draws of the last forward pass are not state
         return state
 
 
@@ -106,7 +108,7 @@ class Draw:
     Inside a routed forward pass the values come from the draws the router made for the whole model
     ahead of the pass (one per group of tables, :mod:`bayesify.variational.store`): taking them costs no
     op once the router has learnt how the layer takes them (the first pass slices them out). Outside a
-    routed pass, or for a table that is not in the model's store, the layer draws its own.
+    routed pass, or for a table in no group drawn ahead, the layer draws its own.
 
     Example:
         >>> draw = self.rank1_draw(x.shape[0], x.device)
@@ -146,8 +148,15 @@ class Draw:
         values = self._blocks(factors)
         return values[0] if len(factors) == 1 else values
 
+    def _every_mean(self, table: Tensor) -> bool:
+        # one block per component in order, at the posterior means: the [K, F] table itself is the value per block
+        fixed = self.fixed_components
+        return not self.noise and fixed is not None and len(fixed) == table.shape[0] and fixed == tuple(range(len(fixed)))
+
     def _blocks(self, factors: tuple[Rank1Factor, ...]) -> list[Tensor]:
         assert self.block_components is not None, "per-block samples need blocked rows"
+        if all(self._every_mean(f.loc) for f in factors):
+            return [f.loc for f in factors]  # the layer's own tables: no op
         values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], "blocks")
         return sample_factors(factors, self.block_components, self.noise) if values is None else values
 
@@ -163,6 +172,9 @@ class Draw:
     def gather_blocks(self, table: Tensor | str) -> Tensor | None:
         """Row ``k`` of a ``[K, ...]`` per-component table for each block (``table`` as for :meth:`gather`)."""
         assert self.block_components is not None, "gather_blocks() needs blocked rows"
+        own = getattr(self.layer, table) if isinstance(table, str) else table
+        if own is None or self._every_mean(own):
+            return own  # (None: no bias to offset)
         found = self._table(table, "blocks")
         if found is None or isinstance(found, _Drawn):
             return None if found is None else found.value
@@ -173,10 +185,8 @@ class Draw:
             return table
         state = self.layer.rank1_state
         slot = state.packed.get(table)
-        if slot is None:
-            return getattr(self.layer, table)  # an unpacked table, or None (no bias to offset)
-        values = self._ahead([slot], kind, like)
-        return slot[0].table(slot[1]) if values is None else _Drawn(values[0])
+        values = None if slot is None else self._ahead([slot], kind, like)
+        return getattr(self.layer, table) if values is None else _Drawn(values[0])  # its own table, or None (no bias)
 
     def _ahead(self, slots: list, kind: str, like: tuple | None = None) -> list[Tensor] | None:
         """The values drawn ahead for these ``(group, slot)`` s, shaped for this call's rows; None if any was not."""
@@ -347,10 +357,10 @@ class ConvertedLayer(nn.Module):
         """The routing of a call on ``n`` rows: each row's component (shared by every layer of the
         model within one forward pass) and whether to sample."""
         state = self.rank1_state
-        routing = state.router.rows_for(n, device)
+        routing = state.router.rows_for(n, device, self)
         per_block = state.router.config.sampling is Sampling.COMPONENT  # a model-wide option: the router owns it
         return Draw(
-            routing.rows, state.router.noise, routing.blocks, routing.block_components, per_block,
+            routing.rows, routing.noise, routing.blocks, routing.block_components, per_block,
             routing.fixed_components, self, routing.forward, routing.repeat,
         )  # fmt: skip
 
@@ -385,7 +395,7 @@ class ConvertedLayer(nn.Module):
 
     def rank1_bias_offsets(self) -> Iterator[tuple[Tensor, list[nn.Parameter]]]:
         """``(offset, [the original biases it offsets])`` for every declared bias offset (the offset a
-        ``[K, features]`` Parameter, or a view of the model's store once packed)."""
+        ``[K, features]`` Parameter of the layer)."""
         for name, biases in self.rank1_state.bias_offsets.items():
             offset = getattr(self, name)
             if offset is not None:
@@ -407,12 +417,9 @@ class ConvertedLayer(nn.Module):
 
     def rank1_state_dict(self) -> dict[str, Tensor]:
         """This layer's own ``rank1_*`` entries of its ``state_dict`` (keys relative to the layer, values
-        the live Parameters and buffers): what an unconverted checkpoint does not hold. Tables packed
-        into the model's store are the store's entries, not the layer's."""
+        the live Parameters and buffers): what an unconverted checkpoint does not hold."""
         entries: dict[str, Tensor] = {}
         for name, value in [*self._parameters.items(), *self._buffers.items()]:
-            if name.startswith("rank1_store_"):
-                continue  # the store of a layer that is itself the model: loaded by its own hook
             if name.startswith("rank1_") and value is not None and name not in self._non_persistent_buffers_set:
                 entries[name] = value
         for name, child in self._modules.items():
@@ -422,12 +429,10 @@ class ConvertedLayer(nn.Module):
 
     def rank1_parameters(self) -> Iterator[nn.Parameter]:
         """The parameters that hold what bayesify added to this layer (factors, bias offsets and the like):
-        once packed, the model's flat store Parameters its tables are columns of (shared with other layers)."""
+        its own, as ``named_parameters()`` lists them under ``rank1_*`` names."""
         seen: set[int] = set()
-        tables = [f.rank1_slot[0] if f.packed else f for _, f in self.rank1_factors()]
-        tables += [group for group, _ in self.rank1_state.packed.values()]
-        owned = [p for name, p in self.named_parameters(recurse=False) if name.startswith("rank1_")]
-        for p in [q for t in tables for q in t.parameters()] + owned:
+        owned = [p for name, p in self.named_parameters() if name.split(".")[0].startswith("rank1_")]
+        for p in owned:
             if id(p) not in seen:
                 seen.add(id(p))
                 yield p
@@ -441,11 +446,9 @@ class ConvertedLayer(nn.Module):
         return total
 
     def revert(self) -> nn.Module:
-        """Undo the conversion in place: the original class, with only its original state.
-
-        A layer whose tables were packed into its model's store leaves its columns there: revert the
-        whole model (:func:`bayesify.revert`), which removes the store.
-        """
+        """Undo the conversion in place: the original class, with only its original state. (Its model's
+        other layers then draw their own tables where they were drawn with this layer's: revert the whole
+        model with :func:`bayesify.revert`.)"""
         for name, _ in list(self.rank1_factors()):
             delattr(self, name)
         for name in [n for n in self._parameters if n.startswith("rank1_")]:
@@ -459,10 +462,6 @@ class ConvertedLayer(nn.Module):
     # ---- plumbing ---------------------------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:
-        state = self.__dict__.get("rank1_state")
-        if state is not None and name in state.packed:  # a bias offset in the model's store: a view of its columns
-            group, slot = state.packed[name]
-            return group.table(slot)
         value = super().__getattr__(name)
         if name in type(self).rank1_intercepted:
             state = self.__dict__.get("rank1_state")

@@ -83,7 +83,7 @@ class GaussianEmbedding(ConvertedLayer):
 
     def forward(self, input: Tensor, *args: object, **kwargs: object) -> Tensor:
         base = type(self).__rank1_base__
-        if not self.rank1_state.router.noise:
+        if not self.rank1_state.router.noise_for(self.training):
             return base.forward(self, input, *args, **kwargs)
         if torch.compiler.is_compiling() and not self.sparse:
             return self._rank1_lookup(input, self._rank1_sampled_table(input), self.padding_idx, args, kwargs)

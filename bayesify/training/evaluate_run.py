@@ -51,10 +51,16 @@ _CAPTIONS = {"reliability": "reliability diagram", "corruptions": "corruption se
 class LoadedRun:
     """A trained run, ready to evaluate.
 
+    Call the run on the data set's own inputs (``run(x)``: images in ``[0, 1]``, as ``run.data.test`` holds them):
+    it normalises them as training did and calls the model. ``run.model`` itself is the network as trained, and
+    expects *normalised* inputs (``run.model(run.data.normalize(x))``), like any network whose data pipeline
+    normalises.
+
     Attributes:
         directory: the run directory (``--out`` of ``bayesify train``).
         config: the run's :class:`~bayesify.training.TrainConfig`, as saved in its checkpoint.
-        model: the network with the checkpoint's weights, on the device, in eval mode.
+        model: the network with the checkpoint's weights, on the device, in eval mode; its inputs are normalised
+            by ``data.normalize`` (per-channel statistics of the training set), as in training.
         data: the run's data set.
         step: the optimizer step the checkpoint was written at.
     """
@@ -65,6 +71,11 @@ class LoadedRun:
     data: DataBundle
     step: int
     task: Task
+
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The model on raw inputs of the run's data set: ``model(data.normalize(x))``, on the model's device."""
+        device = next(self.model.parameters()).device
+        return self.model(self.data.normalize(x.to(device)), *args, **kwargs)
 
     @property
     def kind(self) -> str:

@@ -8,24 +8,19 @@ before the optimizer is made::
     optimizer = torch.optim.AdamW(model.parameters())      # made after shard: it sees the sharded Parameters
     loss = F.cross_entropy(model(x), y) + bayesify.kl_loss(model, len(train_set))
 
-**Where the factors live.** Every factor and bias offset is a column of the flat store, ``[K, total]``
-Parameters on the converted root (``bayesify/variational/store.py``), so they belong to the root's FSDP unit,
-sharded over the ranks like every other Parameter (by rows, FSDP2's ``Shard(0)``: it shards another dimension
-only when it divides evenly). Why with the root and not with their blocks, or replicated: the root's forward
-pre-hook draws every table of the model for the pass at once (``Router.draw_ahead``), and FSDP's own pre-hook
-on the root, which runs first, has just gathered the root's unit, so the whole store is there with no
-collective of its own; its gradient is reduce-scattered with the root's others and its optimizer state is
-sharded. Replicated (``ignored_params``), FSDP would not average its gradient (a hand-written all-reduce every
-step) and every rank would hold all of its Adam state. Measured (``benchmarks/fsdp_memory.py``, Llama-2-7B
-shapes, K=4: 20.3 M entries, 0.30% of the parameters), weights + gradients + Adam of the store per rank:
-309.4 MiB replicated, 77.4 MiB sharded at 4 ranks or more (one row of K each).
+**Where the factors live.** Every factor's ``loc`` / ``rho`` and every bias offset is a Parameter of its own
+layer (``variational/store.py``), so it belongs to its block's FSDP unit and is sharded with the block's other
+Parameters (by rows, FSDP2's ``Shard(0)``), gathered for the block's forward and reduce-scattered with its
+gradients, like the layer's weight. The root's forward pre-hook, which draws every table of the model at once
+when the tables can be joined, finds them sharded there: it draws only the random numbers for the pass (one
+tensor per group, ``TableGroup.noise``), and each layer takes its values from its own gathered tables and its
+columns of them in its forward (``TableGroup.draw_one``), so a sharded model draws what the unsharded one does.
 
-**The KL.** ``kl_divergence`` of a sharded model is the KL of the whole model on every rank, counted once:
-inside or after a forward pass the root's unit is gathered (FSDP keeps the root unsharded between its forward
-and backward) and the sum is over the full store; outside one the store is a sharded ``DTensor``,
-the sum of each rank's slice is a partial sum, and ``kl_divergence`` adds the slices up (an all-reduce whose
-backward leaves each rank the gradient of its own slice). Each rank's loss then holds the full KL once, and
-FSDP's mean over ranks of the gradients gives exactly the unsharded gradient.
+**The KL.** ``kl_divergence`` of a sharded model is the KL of the whole model on every rank, counted once: the
+tables a block holds sharded are summed per rank and added up over the ranks (``full_tensor``, an all-reduce
+whose backward leaves each rank the gradient of its own rows), the ones the root holds gathered between its
+forward and backward are summed whole. Each rank's loss then holds the full KL once, and FSDP's mean over ranks
+of the gradients gives exactly the unsharded gradient.
 
 **A plain model back.** :func:`gather` loads the full state dict of a sharded model into an unsharded converted
 model built the same way (on the CPU, on rank 0 by default), for ``bayesify.merge``, export or a plain
@@ -130,8 +125,9 @@ def shard(
 ) -> nn.Module:
     """``fully_shard`` each block of a converted ``model`` (see :func:`find_blocks`), then its root.
 
-    The root's unit holds everything outside the blocks: the embeddings, the head and bayesify's flat store of
-    factors (the module doc says why). Call it before making the optimizer.
+    The root's unit holds everything outside the blocks: the embeddings and the head (with its factors); each
+    block's unit holds its layers' factors (the module doc says how they are drawn). Call it before making the
+    optimizer.
 
     Args:
         model: a converted model (``bayesify.convert``), its weights on this rank's device.

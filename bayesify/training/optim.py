@@ -53,12 +53,11 @@ GROUPS: tuple[str, ...] = ("weights", "no_decay", "rank1_factors", "rank1_other"
 
 
 def _factor_parameter_ids(model: nn.Module) -> set[int]:
-    """The Parameters holding r / s factors: each factor's own, or once packed the store's that hold its columns."""
+    """The Parameters holding r / s factors (each factor's own ``loc`` and ``rho``)."""
     ids: set[int] = set()
     for module in model.modules():
         if isinstance(module, Rank1Factor):
-            params = module.rank1_slot[0].parameters() if module.packed else module.parameters(recurse=False)
-            ids.update(id(p) for p in params)
+            ids.update(id(p) for p in module.parameters(recurse=False))
     return ids
 
 

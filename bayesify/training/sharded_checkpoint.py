@@ -2,8 +2,8 @@
 
 Each rank writes its own shards into one directory, with no gather to one process; loading reshards, so a
 checkpoint saved by N ranks loads into M ranks, or into one process and an unsharded model (M = 1, with or
-without a process group). The flat store of factors is one more sharded Parameter of the root, so it needs
-nothing of its own::
+without a process group). Each layer's factors are sharded Parameters of its block like its weight, so they
+need nothing of their own::
 
     save_sharded("run/checkpoint.dcp", model, optimizer)   # every rank calls it
     load_sharded("run/checkpoint.dcp", model, optimizer)   # a model built, converted and sharded the same way

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from bayesify.options import Posterior, Prior
 
-__all__ = ["MIN_SCALE", "log_prob", "raw_scale", "rsample", "scale", "softplus_inverse"]
+__all__ = ["MIN_SCALE", "log_prob", "noise", "raw_scale", "rsample", "scale", "softplus_inverse"]
 
 MIN_SCALE = 1e-7
 """Added to every softplus scale (as the reference): the scale and its log stay finite."""
@@ -33,18 +33,24 @@ def raw_scale(value: float) -> float:
         return float(softplus_inverse(value - MIN_SCALE))
 
 
-def rsample(family: Posterior, loc: Tensor, scale: Tensor | None) -> Tensor:
+def rsample(family: Posterior, loc: Tensor, scale: Tensor | None, eps: Tensor | None = None) -> Tensor:
     """One reparameterised sample per entry: ``loc + scale * eps``.
 
-    ``eps`` is standard Normal or standard Cauchy; a ``delta`` family returns ``loc``.
+    ``eps`` is standard Normal or standard Cauchy (drawn here unless given: :func:`noise`); a ``delta`` family
+    returns ``loc``.
     """
     if family is Posterior.DELTA or scale is None:
         return loc
-    if family is Posterior.NORMAL:
-        eps = torch.randn_like(loc)
-    else:
-        eps = torch.empty_like(loc).cauchy_()
+    if eps is None:
+        eps = noise(family, loc)
     return loc + scale * eps
+
+
+def noise(family: Posterior, like: Tensor) -> Tensor:
+    """The standard noise of ``family`` in ``like``'s shape, dtype and device (the random numbers of :func:`rsample`)."""
+    if family is Posterior.NORMAL:
+        return torch.randn_like(like)
+    return torch.empty_like(like).cauchy_()
 
 
 def log_prob(family: Prior | Posterior, value: Tensor, loc: Tensor | float, scale: Tensor | float) -> Tensor:

@@ -131,9 +131,9 @@ class KLTerm:
     """Independent entries ``q(loc, softplus(raw) + 1e-7)`` of one posterior family and their prior.
 
     One piece of a model's KL divergence, as a layer declares it; ``loc`` and ``raw`` have the
-    same shape (any). The prior's parameters are Python floats, folded into the kernels. A factor
-    packed into the model's flat store names its columns instead (``group``, ``slot``; ``loc`` and
-    ``raw`` None): :func:`total_kl` then takes a group whose every table is named in one pass.
+    same shape (any). The prior's parameters are Python floats, folded into the kernels. A factor in
+    one of its model's groups (:mod:`bayesify.variational.store`) also names its ``group`` and ``slot``:
+    :func:`total_kl` then joins a group whose every table is named in one op.
     """
 
     posterior: Posterior
@@ -147,20 +147,40 @@ class KLTerm:
 
 
 def _resolve_packed(terms: Iterable[KLTerm]) -> list[KLTerm]:
-    """Terms naming columns of a store: one term per group whose every table is named, else views."""
+    """A group whose every table is named, as one term over its joined tables; every other term as it is."""
     plain: list[KLTerm] = []
-    packed: dict[int, tuple[KLTerm, Any, set[int]]] = {}
+    packed: dict[int, tuple[KLTerm, Any, list[KLTerm]]] = {}
     for term in terms:
         if term.group is None:
             plain.append(term)
         else:
-            packed.setdefault(id(term.group), (term, term.group, set()))[2].add(term.slot)
-    for first, group, slots in packed.values():
-        if len(slots) == len(group.sizes):
-            plain.append(replace(first, loc=group.loc, raw=group.rho, group=None, slot=None))
+            packed.setdefault(id(term.group), (term, term.group, []))[2].append(term)
+    for first, group, named in packed.values():
+        joined = None
+        if len({t.slot for t in named}) == len(group.sizes) and len(named) == len(group.sizes):
+            kinds = {is_dtensor(t.loc) for t in named}  # FSDP2 outside a forward pass: sharded, joined as DTensors
+            loc = raw = None
+            if len(kinds) == 1:
+                if True in kinds:
+                    loc, raw = group.joined("loc", sharded=True), group.joined("rho", sharded=True)
+                else:  # the forward pass's own, where it is this step's (one gradient path into each table)
+                    loc, raw = group.joined_again("loc"), group.joined_again("rho")
+            if loc is not None and raw is not None:
+                joined = replace(first, loc=loc, raw=raw, group=None, slot=None)
+        if joined is not None:
+            plain.append(joined)
         else:
-            plain.extend(replace(first, loc=group.table(i), raw=group.table(i, "rho"), group=None, slot=None) for i in sorted(slots))
+            plain.extend(replace(t, group=None, slot=None) for t in named)
     return plain
+
+
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a sharded ``DTensor`` (FSDP2's Parameters outside a forward pass)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 class _NormalKLSum(torch.autograd.Function):
@@ -203,21 +223,27 @@ def normal_kl_sum(loc: Tensor, raw: Tensor, prior_mean: float, prior_std: float)
 def total_kl(terms: Iterable[KLTerm]) -> Tensor | None:
     """The summed KL of ``terms``: one concatenated pass per (posterior, prior, dtype, device) group.
 
+    Sharded tables (FSDP2's ``DTensor`` s, outside a forward pass) are summed apart, each rank over its own
+    shard, and added up over the ranks (``full_tensor``: an all-reduce whose backward leaves each rank the
+    gradient of its shard), so the result is the whole KL, counted once, on every rank.
     Returns None when there is nothing to sum (no terms), so callers choose the zero's device.
     """
     groups: dict[tuple, list[KLTerm]] = {}
     for term in _resolve_packed(terms):
-        key = (term.posterior, term.prior, term.prior_mean, term.prior_std, term.loc.dtype, term.loc.device)
+        key = (term.posterior, term.prior, term.prior_mean, term.prior_std, term.loc.dtype, term.loc.device, is_dtensor(term.loc))
         groups.setdefault(key, []).append(term)
     sums: list[Tensor] = []
-    for (posterior, prior, prior_mean, prior_std, _, _), group in groups.items():
-        loc = group[0].loc if len(group) == 1 else torch.cat([t.loc.reshape(-1) for t in group])
-        raw = group[0].raw if len(group) == 1 else torch.cat([t.raw.reshape(-1) for t in group])
-        floats = not isinstance(prior_mean, Tensor) and not isinstance(prior_std, Tensor)
-        if posterior is Posterior.NORMAL and prior is Prior.NORMAL and floats:
-            sums.append(normal_kl_sum(loc, raw, prior_mean, prior_std))  # the default pair, in the fewest ops
-        else:
-            sums.append(kl_divergence(posterior, loc, positive_scale(raw), prior, prior_mean, prior_std))
+    for (posterior, prior, prior_mean, prior_std, _, _, sharded), group in groups.items():
+        parts = [group] if not sharded else [[t] for t in group]  # a DTensor's flatten may need a collective
+        for part in parts:
+            loc = part[0].loc if len(part) == 1 else torch.cat([t.loc.reshape(-1) for t in part])
+            raw = part[0].raw if len(part) == 1 else torch.cat([t.raw.reshape(-1) for t in part])
+            floats = not isinstance(prior_mean, Tensor) and not isinstance(prior_std, Tensor)
+            if posterior is Posterior.NORMAL and prior is Prior.NORMAL and floats:
+                kl = normal_kl_sum(loc, raw, prior_mean, prior_std)  # the default pair, in the fewest ops
+            else:
+                kl = kl_divergence(posterior, loc, positive_scale(raw), prior, prior_mean, prior_std)
+            sums.append(kl.full_tensor() if sharded else kl)
     if not sums:
         return None
     if len(sums) == 1:

@@ -47,7 +47,7 @@ class Rank1Factor(nn.Module):
         super().__init__()
         self.features = features
         self.config = config
-        self.rank1_slot: tuple[TableGroup, int] | None = None  # (group, slot) once packed into the model's store
+        self.rank1_slot: tuple[TableGroup, int] | None = None  # (group, slot) in its model's groups drawn together
         shape = (config.components, features)
         self.loc = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
         if config.posterior is Posterior.DELTA:
@@ -58,42 +58,13 @@ class Rank1Factor(nn.Module):
 
     @property
     def packed(self) -> bool:
-        """Whether its tables live in the model's flat store (:mod:`bayesify.variational.store`)."""
+        """Whether it is in one of its model's groups of tables drawn together (:mod:`bayesify.variational.store`)."""
         return self.__dict__.get("rank1_slot") is not None
 
-    @property
-    def loc_version(self) -> int:
-        """``loc._version`` (a packed factor's is its store's: views share it) without making the view (an op)."""
-        slot = self.__dict__.get("rank1_slot")
-        return slot[0].loc._version if slot is not None else self._parameters["loc"]._version
-
-    def rank1_pack(self, group: TableGroup, slot: int) -> None:
-        """Hand the tables over to ``group`` (already holding their values at ``slot``): ``loc`` and ``rho``
-        become views of its columns."""
-        del self._parameters["loc"]
-        if "rho" in self._parameters:
-            del self._parameters["rho"]
-        self.rank1_slot = (group, slot)
-
     def grad(self, name: str = "loc") -> Tensor | None:
-        """The gradient of this factor's ``loc`` (or ``rho``): once packed, a view of its columns of the store
-        Parameter's ``.grad`` (``factor.loc`` is then a view, and views hold no ``.grad``); None before any."""
-        slot = self.__dict__.get("rank1_slot")
-        if slot is None:
-            table = self._parameters.get(name)
-            return None if table is None else table.grad
-        group, index = slot
-        flat = group.loc if name == "loc" else group.rho
-        if flat is None or flat.grad is None:
-            return None
-        return flat.grad[:, group.starts[index] : group.starts[index] + group.sizes[index]]
-
-    def __getattr__(self, name: str) -> Any:
-        slot = self.__dict__.get("rank1_slot")
-        if slot is not None and name in ("loc", "rho"):
-            group, index = slot
-            return None if name == "rho" and group.rho is None else group.table(index, name)
-        return super().__getattr__(name)
+        """The gradient of this factor's ``loc`` (or ``rho``): ``factor.loc.grad``; None before any."""
+        table = self._parameters.get(name)
+        return None if table is None else table.grad
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -127,15 +98,13 @@ class Rank1Factor(nn.Module):
         return sample_factors((self,), rows, noise)[0]
 
     def kl_term(self) -> KLTerm | None:
-        """This factor's piece of the model's KL (None for a delta posterior). A packed factor's term names
-        its columns of the store instead of holding views, so a model's KL takes whole groups at once."""
+        """This factor's piece of the model's KL (None for a delta posterior). A factor in a group also names
+        its ``(group, slot)``, so a model's KL joins a whole group in one op."""
         cfg = self.config
         if cfg.posterior is Posterior.DELTA:
             return None
-        if self.packed:
-            group, index = self.rank1_slot
-            return KLTerm(cfg.posterior, cfg.prior, cfg.prior_mean, cfg.resolved_prior_std(), None, None, group, index)
-        return KLTerm(cfg.posterior, cfg.prior, cfg.prior_mean, cfg.resolved_prior_std(), self.loc, self.rho)
+        group, slot = self.rank1_slot if self.packed else (None, None)
+        return KLTerm(cfg.posterior, cfg.prior, cfg.prior_mean, cfg.resolved_prior_std(), self.loc, self.rho, group, slot)
 
     def kl_divergence(self) -> Tensor:
         """KL to the prior, summed over components and entries (as the reference)."""

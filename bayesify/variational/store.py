@@ -1,24 +1,30 @@
-"""One flat store of a converted model's per-component tables: every factor's ``loc`` / ``rho`` and every
-per-component bias offset, as the columns of a few ``[K, total]`` Parameters.
+"""Groups of a converted model's per-component tables, drawn together once per forward pass.
 
-Why: on a GPU a rank-1 training step is launch-bound, so its cost is the number of small ops it issues. With
-the tables kept per layer, every layer drew its own factors (gather, softplus, noise, clip: ~11 ops forward,
-~17 backward), the KL concatenated them again, and the optimizer stepped 4-5 small Parameters per layer
-(ResNet-18: 480 -> 1,990 ops dispatched per step). Kept flat, each forward pass draws every factor of the
-model at once (:meth:`TableGroup.draw_all`: one gather, one softplus, one noise draw), each layer takes its
-columns as views, the KL is one pass over the store, and the optimizer sees two or three tensors.
+**Every layer owns its tables.** A factor's ``loc`` / ``rho`` are Parameters of its own
+:class:`~bayesify.variational.factor.Rank1Factor` (``layer1.0.conv1.rank1_s.loc``), a bias offset is a
+Parameter of its layer (``layer1.0.conv1.rank1_bias``). So whatever PyTorch lets a user do to a module does
+for a layer's factors what it does for its weight: freezing a block freezes them, parameter groups by module
+or by name include them, timm's layer decay scales them with their layer, a cast or a write through ``.data``
+changes them.
 
-Layout: a :class:`TableGroup` holds tables of one kind that draw alike (factors of one posterior, prior and
-clipping; or bias offsets, which are not sampled), of one dtype and device. Table ``i`` is columns
-``[start_i, start_i + features_i)`` of the group's ``loc`` (and ``rho``): row ``k`` is component ``k``.
-The groups' Parameters are registered on the converted root as ``rank1_store_<i>_loc`` / ``_rho`` (the
-checkpoint's keys); a checkpoint of release 0.2, with one ``loc`` / ``rho`` per factor module and one table
-per bias offset, is mapped onto them when it is loaded (:func:`load_store`).
+**Why groups.** On a GPU a rank-1 training step is launch-bound, so its cost is the number of small ops it
+issues. Drawn layer by layer, every layer's tables cost ~11 ops forward (gather, softplus, noise, clip) and
+~17 backward. A :class:`TableGroup` names the tables of one kind that draw alike (factors of one posterior,
+prior and clipping; or bias offsets, which are not sampled) and share a dtype and device. Once per forward
+pass the router joins each group's tables into one ``[K, total]`` tensor (:meth:`TableGroup.joined`: one
+``cat``, whose backward is one ``split_with_sizes_copy`` handing every Parameter its own contiguous
+gradient) and draws the whole group at once (:meth:`TableGroup.draw_all`: one gather, one softplus, one
+noise draw); each layer takes its columns. Table ``i`` is columns ``[start_i, start_i + features_i)``.
 
-A layer's factor (:class:`~bayesify.variational.factor.Rank1Factor`) or bias offset is *packed* once its
-model's conversion ends (:func:`pack`): its own Parameters go, and reading ``factor.loc`` gives a view of
-its columns (writes through it change the store). A group refers to the root that holds its Parameters, so a
-converted layer deep-copied on its own takes a copy of its whole model with it (copy the model instead).
+**Nothing outlives a pass.** The joined tensor is made from the Parameters as they are at each pass (read
+from their modules' ``_parameters``), so a write through ``.data``, ``Module._apply`` (``.half()``, ``.to()``),
+``load_state_dict(assign=True)`` or ``torch.func.functional_call`` is seen by the next pass. A group whose
+tables are not alike at a pass (one cast on its own, a sharded ``DTensor`` under FSDP2, a table removed) is
+not drawn ahead: its layers then draw their own tables, the same values by another path.
+
+**Checkpoints.** Release 0.3 kept every group as two flat Parameters on the root, ``rank1_store_<i>_loc`` /
+``_rho``; their checkpoints are split onto the layers' own keys when loaded (:func:`load_store`, the root's
+load pre-hook, which also refuses a checkpoint of another number of components in one line).
 """
 
 from __future__ import annotations
@@ -40,93 +46,159 @@ __all__ = ["FactorStore", "TableGroup", "load_store", "pack", "remove", "slots_o
 FACTOR, OFFSET = "factor", "offset"
 
 
-class TableGroup:
-    """The tables of one kind (see the module doc) as columns of ``loc`` (and ``rho``), ``[K, total]``.
+class _Join(torch.autograd.Function):
+    """``torch.cat(tables, 1)`` whose backward is one ``split_with_sizes_copy``: each table's gradient arrives
+    contiguous, so autograd hands it to the Parameter as it is (``cat``'s own backward slices, and every
+    non-contiguous slice is then copied once more for its Parameter: two ops per table instead of one in all)."""
 
-    The two Parameters are registered on the model's root (``owner``) as ``rank1_store_<i>_loc`` and
-    ``rank1_store_<i>_rho``: Parameters and not a child module, so that the root's own iteration (an
-    ``nn.Sequential`` calls its children in turn) and indexing stay as they were. The group reads them
-    from the root on every use, so a root that replaces its Parameters (``load_state_dict(assign=True)``,
-    ``to_empty``) keeps working.
+    @staticmethod
+    def forward(ctx: Any, sizes: tuple[int, ...], *tables: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.sizes = sizes
+        return torch.cat(tables, 1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        return (None, *torch.split_with_sizes_copy(grad, ctx.sizes, 1))
+
+
+def _identity(tables: Sequence[Tensor | None]) -> tuple:
+    """What tells a table apart from a changed one: the object, its version counter, where its values are."""
+    return tuple((id(t), t._version, t.data_ptr(), t.dtype) if t is not None else None for t in tables)
+
+
+def _dtensor_type() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+class TableGroup:
+    """Tables of one kind (see the module doc), held by their own modules and joined per pass.
 
     Args:
-        owner: the converted root the Parameters are registered on.
-        index: the group's number in the root's store (its Parameters' names).
-        kind: ``"factor"`` (sampled from its posterior; ``config`` says how) or ``"offset"`` (a bias
-            offset: taken as it is).
+        kind: ``"factor"`` (sampled from its posterior; ``config`` says how) or ``"offset"`` (a bias offset:
+            taken as it is).
         config: the options the factors were converted with (posterior, prior, clipping); None for offsets.
-        loc, rho: the initial tables, ``[K, total]`` (``rho`` None for offsets and delta posteriors).
-        sizes: the width of each table, in column order.
-        legacy: each table's checkpoint key in release 0.2, relative to ``owner`` (see :func:`load_store`).
+        members: ``(module, name)`` of each table, in column order: a factor module and ``""`` (its ``loc``
+            and ``rho``), or a layer and the name of its bias-offset Parameter.
+        names: each table's checkpoint key, relative to the root (``"layer1.0.conv1.rank1_s"``,
+            ``"layer1.0.conv1.rank1_bias"``): how a release-0.3 checkpoint's columns map onto them.
+        index: the group's number in the root's store (release 0.3's ``rank1_store_<index>_*`` keys).
     """
 
     def __init__(
-        self,
-        owner: nn.Module,
-        index: int,
-        kind: str,
-        config: Rank1Config | None,
-        loc: Tensor,
-        rho: Tensor | None,
-        sizes: Sequence[int],
-        legacy: Sequence[str] = (),
+        self, kind: str, config: Rank1Config | None, members: Sequence[tuple[nn.Module, str]], names: Sequence[str], index: int
     ) -> None:
-        self.owner = owner
-        self.names = {"loc": f"rank1_store_{index}_loc", "rho": None if rho is None else f"rank1_store_{index}_rho"}
-        # a factor's module ("layer1.0.conv1.rank1_s": keys .loc, .rho) or an offset's Parameter ("...rank1_bias")
-        self.legacy = tuple(legacy)
         self.kind = kind
         self.config = config
-        owner.register_parameter(self.names["loc"], nn.Parameter(loc))
-        if rho is not None:
-            owner.register_parameter(self.names["rho"], nn.Parameter(rho))
-        self.sizes = tuple(sizes)
+        self.members = tuple(members)
+        self.names = tuple(names)
+        self.index = index
         self.key = -1  # its number among the groups its model's router draws (set by convert)
+        self.sizes = tuple(self._tensor(slot, "loc").shape[1] for slot in range(len(self.members)))
         starts, total = [], 0
         for size in self.sizes:
             starts.append(total)
             total += size
         self.starts = tuple(starts)
 
-    @property
-    def loc(self) -> nn.Parameter:
-        return self.owner._parameters[self.names["loc"]]
+    def _tensor(self, slot: int, name: str) -> Tensor | None:
+        module, attr = self.members[slot]
+        return module._parameters.get(name if self.kind == FACTOR else attr)
 
-    @property
-    def rho(self) -> nn.Parameter | None:
-        name = self.names["rho"]
-        return None if name is None else self.owner._parameters[name]
-
-    def parameters(self) -> Iterable[nn.Parameter]:
-        """The group's Parameters (``loc``, and ``rho`` where it has one)."""
-        return [p for p in (self.loc, self.rho) if p is not None]
+    def table(self, slot: int, name: str = "loc") -> Tensor:
+        """Table ``slot``'s ``loc`` (or ``rho``), ``[K, features]``: its module's own Parameter."""
+        value = self._tensor(slot, name)
+        assert value is not None, f"{name} of table {slot} is gone"
+        return value
 
     @property
     def sampled(self) -> bool:
         """Whether its tables are drawn from a posterior with a scale (not offsets, not delta)."""
-        return self.rho is not None
+        return self.kind == FACTOR and self.config is not None and self.config.posterior is not Posterior.DELTA
 
-    def table(self, slot: int, name: str = "loc") -> Tensor:
-        """Table ``slot``'s ``loc`` (or ``rho``) as a ``[K, features]`` view of the store."""
-        flat = self.loc if name == "loc" else self.rho
-        assert flat is not None, f"{name} of a group without it"
-        return flat[:, self.starts[slot] : self.starts[slot] + self.sizes[slot]]
+    def tables(self, name: str = "loc") -> list[Tensor | None]:
+        """Every table's ``loc`` (or ``rho``), as its module holds it now."""
+        return [self._tensor(slot, name) for slot in range(len(self.members))]
 
-    def draw_all(self, components: Tensor | None, noise: bool, scale: Tensor | None = None) -> Tensor:
+    def joined(self, name: str = "loc", *, sharded: bool = False) -> Tensor | None:
+        """The tables side by side, ``[K, total]``, made now from the modules' Parameters (one op, and one in the
+        backward); None where they cannot be drawn as one: a table gone, another dtype or device than the first,
+        a shape that changed, or (unless ``sharded``) a sharded ``DTensor``. With ``sharded`` the sharded tables
+        are joined by ``torch.cat`` (a ``DTensor`` op), for the KL of a sharded model."""
+        tables = self.tables(name)
+        first = tables[0]
+        if first is None:
+            return None
+        dtensor = _dtensor_type()
+        for table, size in zip(tables, self.sizes):
+            if table is None or table.dtype != first.dtype or table.device != first.device or table.dim() != 2:
+                return None
+            if table.shape[1] != size or table.shape[0] != first.shape[0]:
+                return None
+            if dtensor is not None and isinstance(table, dtensor) and not sharded:
+                return None
+        if len(tables) == 1:
+            return first
+        if sharded or torch.compiler.is_compiling() or not any(t.requires_grad for t in tables) or not torch.is_grad_enabled():
+            return torch.cat(tables, 1)  # (a compiled graph fuses the cat; nothing to hand back without gradients)
+        value = _Join.apply(self.sizes, *tables)
+        self.__dict__.setdefault("_pass", {})[name] = (_identity(tables), value)
+        return value
+
+    def joined_again(self, name: str = "loc") -> Tensor | None:
+        """:meth:`joined` for the KL of a training step: the forward pass's own joined tables while every table
+        is still the very tensor it joined, unchanged (identity, ``_version``, storage), and gradients are on.
+
+        Why: the KL and the draws then reach the Parameters through one node, so autograd adds their two
+        gradients once per group instead of once per table (~80 ops a step for ResNet-18). It holds the
+        tables' values of that pass only: an optimizer step, a cast, ``load_state_dict`` or a new ``.data``
+        makes it join anew."""
+        kept = self.__dict__.get("_pass", {}).get(name)
+        if kept is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            if kept[0] == _identity(self.tables(name)):
+                return kept[1]
+        return self.joined(name)
+
+    def draw_all(self, loc: Tensor, components: Tensor | None, noise: bool, scale: Tensor | None = None) -> Tensor:
         """Every table's value per entry of ``components``, ``[len(components), total]``: one gather, one noise
-        draw and one clip for the whole group. ``components`` None means every component in order (the
-        tables themselves, no gather); ``noise`` samples a factor group from its posterior (offsets are never
-        sampled); ``scale`` is the posterior scale when the caller has it already (:meth:`scale`)."""
-        loc = self.loc
+        draw and one clip for the whole group. ``loc`` is :meth:`joined`; ``components`` None means every
+        component in order (the tables themselves, no gather); ``noise`` samples a factor group from its
+        posterior with ``scale`` (its ``[K, total]`` posterior scale; offsets are never sampled)."""
         value = loc if components is None else F.embedding(components, loc)
         if noise and self.sampled:
+            assert scale is not None, "a sampled draw needs the posterior scale"
             config = self.config
-            scale = self.scale() if scale is None else scale
             value = distributions.rsample(config.posterior, value, scale if components is None else F.embedding(components, scale))
             if config.clip is not None:
                 # reference: heavy tails clipped to [-10, 10]. hardtanh is that clamp with a one-op backward (clamp's
                 # takes six); they differ only at exactly +-clip, where hardtanh passes no gradient
                 value = F.hardtanh(value, -config.clip, config.clip)
+        return value
+
+    def noise(self, rows: int) -> Tensor | None:
+        """The random numbers :meth:`draw_all` would take for ``rows`` values of every table, ``[rows, total]``,
+        drawn alone: for a pass whose tables cannot be joined (FSDP2 shards them until each block's forward),
+        so that each layer's values (:meth:`draw_one`) are the very ones a joined draw would give."""
+        first = self.tables("loc")[0]
+        if not self.sampled or first is None:
+            return None
+        like = torch.empty((rows, sum(self.sizes)), dtype=first.dtype, device=first.device)
+        return distributions.noise(self.config.posterior, like)
+
+    def draw_one(self, slot: int, components: Tensor | None, eps: Tensor) -> Tensor:
+        """Table ``slot``'s values per entry of ``components`` from its columns of :meth:`noise`: what
+        :meth:`draw_all` gives for those columns, elementwise the same ops on the layer's own Parameters."""
+        loc, rho = self.table(slot, "loc"), self.table(slot, "rho")
+        scale = distributions.scale(rho)
+        if components is not None:
+            loc, scale = F.embedding(components, loc), F.embedding(components, scale)
+        start = self.starts[slot]
+        value = distributions.rsample(self.config.posterior, loc, scale, eps[:, start : start + self.sizes[slot]])
+        if self.config.clip is not None:
+            value = F.hardtanh(value, -self.config.clip, self.config.clip)
         return value
 
     def take(self, value: Tensor, slots: Sequence[int] | None = None, like: tuple | None = None) -> dict[int, Tensor]:
@@ -162,27 +234,22 @@ class TableGroup:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state.pop("_columns", None)  # device tensors derived from the layout
+        state.pop("_pass", None)  # the last training pass's joined tables (joined_again): not state
         return state
-
-    def scale(self) -> Tensor:
-        """The posterior scale of every entry, ``[K, total]``."""
-        assert self.rho is not None, "scale() of a group without a posterior scale"
-        return distributions.scale(self.rho)
 
     def __repr__(self) -> str:
         posterior = "" if self.config is None or self.kind == OFFSET else f", posterior={self.config.posterior}"
-        return f"TableGroup({self.names['loc']}: kind={self.kind}, tables={len(self.sizes)}, shape={tuple(self.loc.shape)}{posterior})"
-
+        return f"TableGroup({self.kind}, tables={len(self.sizes)}, columns={sum(self.sizes)}{posterior})"
 
 
 class FactorStore(list):
     """The :class:`TableGroup` s of one converted model (``root.__dict__["rank1_store"]``)."""
 
-    load_hook: int | None = None  # id of the owner's load_state_dict pre-hook (see load_store)
+    load_hook: int | None = None  # id of the root's load_state_dict pre-hook (see load_store)
 
 
 def store_of(root: nn.Module) -> FactorStore | None:
-    """The store of a converted root (None if it has none)."""
+    """The groups of a converted root (None if it has none)."""
     return root.__dict__.get("rank1_store")
 
 
@@ -196,72 +263,57 @@ def load_store(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    """Load pre-hook of the store's owner: what each group of ``owner.rank1_store`` loads.
+    """Load pre-hook of a converted root: a checkpoint of release 0.3 mapped onto the layers' own keys, and a
+    checkpoint of another number of components refused in one line.
 
-    * the group's own keys (``rank1_store_<i>_loc`` / ``_rho``): as they are, once their K is checked;
-    * else the keys of release 0.2 (one ``loc`` / ``rho`` per factor module, one ``[K, features]`` table per
-      bias offset): assembled into the group's layout and removed;
-    * else none of them (a checkpoint of the network before conversion): the current values are kept.
+    * release 0.3's flat keys (``rank1_store_<i>_loc`` / ``_rho``, ``[K, total]``): split by columns onto the
+      keys of the tables they hold (``layer1.0.conv1.rank1_s.loc``, ...) and removed;
+    * a table with another K than the model: a ``ValueError`` in one line naming both K and the fix, raised
+      before anything is loaded (the root's pre-hook runs before any Parameter is copied).
 
-    A checkpoint of a model converted with another number of components is refused in one line that
-    names both K and the fix (instead of one size mismatch per table). ``state_dict`` is torch's own
-    copy of the caller's dict, so changing it here changes nothing of the caller's.
+    ``state_dict`` is torch's own copy of the caller's dict, so changing it here changes nothing of the caller's.
+    The layers' own pre-hooks then keep the current rank-1 values of a checkpoint of the unconverted network.
     """
     store = store_of(owner)
     if store is None:
         return
     for group in store:
-        own = {name: prefix + key for name, key in group.names.items() if key is not None}
-        if any(key in state_dict for key in own.values()):
-            if _wrong_components(state_dict.get(own["loc"]), group, error_msgs):
-                for key in own.values():
-                    state_dict.pop(key, None)
-            continue
-        keys = [_legacy_keys(group, slot, prefix) for slot in range(len(group.sizes))]
-        if not any(key in state_dict for slot_keys in keys for key in slot_keys.values()):
-            for name, key in own.items():  # nothing of the group: keep it (it loads onto itself)
-                state_dict[key] = getattr(group, name)
-            continue
-        for name, own_key in own.items():
-            tables = []
-            for slot, slot_keys in enumerate(keys):
-                value = state_dict.pop(slot_keys.get(name, ""), None)
-                if value is None:
-                    missing_keys.append(slot_keys.get(name, f"{own_key}[:, {group.starts[slot]}:]"))
-                    value = group.table(slot, name)
-                elif _wrong_components(value, group, error_msgs):
-                    break
-                tables.append(value.to(group.loc.device))
-            else:
-                state_dict[own_key] = torch.cat(tables, 1)
+        for name in ("loc", "rho") if group.kind == FACTOR else ("loc",):
+            flat = state_dict.pop(f"{prefix}rank1_store_{group.index}_{name}", None)
+            if flat is None:
                 continue
-            for slot_keys in keys:  # refused: leave nothing of this group to report again
-                for key in slot_keys.values():
-                    state_dict.pop(key, None)
-            break
+            if not isinstance(flat, Tensor) or flat.dim() != 2 or flat.shape[1] != sum(group.sizes):
+                error_msgs.append(
+                    f"{prefix}rank1_store_{group.index}_{name} (release 0.3's flat store) has shape "
+                    f"{tuple(getattr(flat, 'shape', ()))}, not [K, {sum(group.sizes)}]: it was saved from another network"
+                )
+                continue
+            for slot, piece in enumerate(flat.split(group.sizes, 1)):
+                state_dict.setdefault(_key(group, slot, name, prefix), piece)
+    wrong = _wrong_components(store, state_dict, prefix)
+    if wrong is not None:  # raised before anything is copied: the root's pre-hook runs first
+        raise ValueError(
+            f"the checkpoint holds a model converted with components={wrong[0]}, and this model has "
+            f"components={wrong[1]}; convert it with bayesify.convert(model, components={wrong[0]}) before loading "
+            "(or load the checkpoint into an unconverted copy of the network); nothing was loaded"
+        )
 
 
-def _legacy_keys(group: TableGroup, slot: int, prefix: str) -> dict[str, str]:
-    stem = prefix + group.legacy[slot] if slot < len(group.legacy) else None
-    if stem is None:
-        return {}
-    if group.kind == OFFSET:
-        return {"loc": stem}
-    return {"loc": stem + ".loc", "rho": stem + ".rho"}
+def _key(group: TableGroup, slot: int, name: str, prefix: str) -> str:
+    stem = prefix + group.names[slot]
+    return f"{stem}.{name}" if group.kind == FACTOR else stem
 
 
-def _wrong_components(value: Any, group: TableGroup, error_msgs: list[str]) -> bool:
-    """Whether a checkpoint's table has another K than the group (then one line says so, once)."""
-    if not isinstance(value, Tensor) or value.dim() != 2 or value.shape[0] == group.loc.shape[0]:
-        return False
-    message = (
-        f"the checkpoint holds a model converted with components={value.shape[0]}, and this model has "
-        f"components={group.loc.shape[0]}; convert it with bayesify.convert(model, components={value.shape[0]}) "
-        "before loading (or load the checkpoint into an unconverted copy of the network)"
-    )
-    if message not in error_msgs:
-        error_msgs.append(message)
-    return True
+def _wrong_components(store: FactorStore, state_dict: dict[str, Any], prefix: str) -> tuple[int, int] | None:
+    """``(the checkpoint's K, the model's K)`` where a table of the checkpoint has another K; else None."""
+    for group in store:
+        for slot in range(len(group.sizes)):
+            value = state_dict.get(_key(group, slot, "loc", prefix))
+            if isinstance(value, Tensor) and value.dim() == 2:
+                ours = group.table(slot).shape[0]
+                if value.shape[0] != ours:
+                    return value.shape[0], ours
+    return None
 
 
 def _factor_key(factor: nn.Module) -> tuple:
@@ -271,8 +323,9 @@ def _factor_key(factor: nn.Module) -> tuple:
 
 
 def pack(root: nn.Module, layers: Iterable[nn.Module]) -> list[TableGroup]:
-    """Move the factors and bias offsets of ``layers`` (converted, not yet packed) into new groups of
-    ``root``'s store (created if absent) and make each of them a view of its columns. Returns the new groups."""
+    """Put the factors and bias offsets of ``layers`` (converted, in no group yet) into new groups of ``root``'s
+    store (created if absent). The tables stay where they are; each learns its ``(group, slot)``. Returns the
+    new groups."""
     factors: dict[tuple, list[nn.Module]] = {}
     offsets: dict[tuple, list[tuple[nn.Module, str]]] = {}
     for layer in layers:
@@ -281,7 +334,7 @@ def pack(root: nn.Module, layers: Iterable[nn.Module]) -> list[TableGroup]:
                 factors.setdefault(_factor_key(factor), []).append(factor)
         for name in layer.rank1_state.bias_offsets:
             table = layer._parameters.get(name)
-            if table is not None:
+            if table is not None and name not in layer.rank1_state.packed:
                 offsets.setdefault((OFFSET, table.shape[0], table.dtype, table.device), []).append((layer, name))
     names = {id(module): name for name, module in root.named_modules()}
 
@@ -295,20 +348,14 @@ def pack(root: nn.Module, layers: Iterable[nn.Module]) -> list[TableGroup]:
         store.load_hook = root.register_load_state_dict_pre_hook(load_store).id
     groups = []
     for members in factors.values():
-        first = members[0]
-        rho = None if first.rho is None else torch.cat([f.rho.detach() for f in members], 1)
-        group = TableGroup(root, len(store), FACTOR, first.config, torch.cat([f.loc.detach() for f in members], 1), rho,
-                           [f.features for f in members], [key(f) for f in members])  # fmt: skip
+        group = TableGroup(FACTOR, members[0].config, [(f, "") for f in members], [key(f) for f in members], len(store))
         for slot, factor in enumerate(members):
-            factor.rank1_pack(group, slot)
+            factor.rank1_slot = (group, slot)
         store.append(group)
         groups.append(group)
     for members in offsets.values():
-        tables = [layer._parameters[name] for layer, name in members]
-        group = TableGroup(root, len(store), OFFSET, None, torch.cat([t.detach() for t in tables], 1), None,
-                           [t.shape[1] for t in tables], [key(layer, name) for layer, name in members])  # fmt: skip
+        group = TableGroup(OFFSET, None, members, [key(layer, name) for layer, name in members], len(store))
         for slot, (layer, name) in enumerate(members):
-            del layer._parameters[name]
             layer.rank1_state.packed[name] = (group, slot)
         store.append(group)
         groups.append(group)
@@ -316,19 +363,15 @@ def pack(root: nn.Module, layers: Iterable[nn.Module]) -> list[TableGroup]:
 
 
 def slots_of(layer: nn.Module) -> list[tuple[TableGroup, int]]:
-    """The ``(group, slot)`` of every table of a converted layer that lives in a store."""
+    """The ``(group, slot)`` of every table of a converted layer that is in a group."""
     slots = [factor.rank1_slot for _, factor in layer.rank1_factors() if factor.packed]
     return slots + list(layer.rank1_state.packed.values())
 
 
 def remove(root: nn.Module) -> None:
-    """Take ``root``'s store, its Parameters and its load hook away (reverting a model)."""
+    """Take ``root``'s groups and its load hook away (reverting a model; the tables go with their layers)."""
     store = root.__dict__.pop("rank1_store", None)
     if store is None:
         return
-    for group in store:
-        for name in group.names.values():
-            if name is not None:
-                root._parameters.pop(name, None)
     if store.load_hook is not None:
         root._load_state_dict_pre_hooks.pop(store.load_hook, None)

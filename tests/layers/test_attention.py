@@ -203,9 +203,17 @@ def test_encoder_layer_called_on_its_own_is_rank1(no_fast_path: None) -> None:
     _randomise(model)
     model.eval()
     x = torch.randn(B, L, E, dtype=DT)
-    with torch.no_grad():
+    with torch.no_grad(), bayesify.mode(model, component=1, noise=False):
         out = model[0](x)  # would raise in the refused fused kernel without the pre-hook
+    seen = []
+    handle = model[0].register_forward_hook(lambda m, a, o: seen.append(o))
+    with torch.no_grad(), bayesify.mode(model, route="tile", noise=False):
+        model(x)  # the whole model's members: member 1's rows of the encoder layer's output
+    handle.remove()
     assert out.shape == x.shape and torch.isfinite(out).all()
+    torch.testing.assert_close(out, seen[0][B : 2 * B])
+    with pytest.raises(RuntimeError, match=r"outside the forward pass of its converted model.*bayesify.mode\(model, component=k\)"):
+        model[0](x)  # evaluation's mixture needs the root's forward: said, not guessed
     layer = model[0].self_attn
     bayesify.revert(model)
     assert type(layer) is nn.MultiheadAttention and not layer._forward_pre_hooks
@@ -260,8 +268,8 @@ def test_revert_restores_attention() -> None:
     before = {n: p for n, p in layer.named_parameters()}
     bayesify.convert(layer, components=K)
     assert {"rank1_s_k", "rank1_r_out"} <= {n for n, _ in layer.rank1_factors()}
-    assert {"rank1_bias_in", "rank1_bias_out"} <= set(layer.rank1_state.packed)  # bias offsets in the store
-    assert {"rank1_store_0_loc", "rank1_store_0_rho", "rank1_store_1_loc"} <= set(layer.state_dict())
+    assert {"rank1_bias_in", "rank1_bias_out"} <= set(layer.rank1_state.packed)  # bias offsets drawn with a group
+    assert {"rank1_s_k.loc", "rank1_s_k.rho", "rank1_bias_in"} <= set(layer.state_dict())  # the layer's own
     bayesify.revert(layer)
     assert type(layer) is nn.MultiheadAttention
     assert {n: p for n, p in layer.named_parameters()} == before

@@ -1,10 +1,11 @@
 """An unconverted (pretrained) checkpoint loads strictly into a converted model; a damaged converted one does not.
 
-The rank-1 tables live in the model's flat store (``rank1_store_<i>_loc`` / ``_rho`` on the root,
-``variational/store.py``), whose load pre-hook applies the rule per group of tables: none of its keys (nor
-release 0.2's per-layer keys) in the state dict -> an unconverted checkpoint, the current rank-1 values
-stay; a checkpoint of release 0.2 is mapped onto the store; a missing key is reported as missing; a
-checkpoint of another K is refused in one line. Original keys are always strict.
+Every layer owns its rank-1 tables (``layer.rank1_s.loc``, ``layer.rank1_bias``: release 0.2's keys too). Each
+layer's load pre-hook applies the rule: none of its ``rank1_*`` keys in the state dict -> an unconverted
+checkpoint, the current rank-1 values stay; some -> a missing one is reported as missing. The root's pre-hook
+(``variational/store.py``) splits release 0.3's flat store (``rank1_store_<i>_loc`` / ``_rho``) onto the
+layers' keys and refuses a checkpoint of another K in one line, before anything is loaded. Original keys are
+always strict.
 """
 
 from __future__ import annotations
@@ -40,21 +41,18 @@ def _rank1_entries(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if "rank1_" in k}
 
 
-def legacy_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s state dict as release 0.2 wrote it: one ``loc`` / ``rho`` per factor module, one
-    ``[K, features]`` table per bias offset, no store."""
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("rank1_store_")}
-    for name, layer in bayesify.rank1_layers(model):
-        prefix = f"{name}." if name else ""
-        for attr, factor in layer.rank1_factors():
-            state[f"{prefix}{attr}.loc"] = factor.loc.detach().clone()
-            if factor.rho is not None:
-                state[f"{prefix}{attr}.rho"] = factor.rho.detach().clone()
-        for attr in layer.rank1_state.bias_offsets:
-            table = getattr(layer, attr)
-            if table is not None:
-                state[f"{prefix}{attr}"] = table.detach().clone()
-    return state
+def release_0_3_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict as release 0.3 wrote it: each group of tables as the columns of two flat
+    ``[K, total]`` entries on the root, ``rank1_store_<i>_loc`` / ``_rho``, and no per-layer ``rank1_*`` keys."""
+    state = model.state_dict()
+    flat = {}
+    for group in model.rank1_store:
+        names = ("loc", "rho") if group.kind == "factor" else ("loc",)
+        for name in names:
+            keys = [f"{stem}.{name}" if group.kind == "factor" else stem for stem in group.names]
+            if all(k in state for k in keys):
+                flat[f"rank1_store_{group.index}_{name}"] = torch.cat([state.pop(k) for k in keys], 1)
+    return {**state, **flat}
 
 
 def _perturb(model: nn.Module) -> None:
@@ -82,8 +80,8 @@ def test_unconverted_checkpoint_loads_strictly_and_keeps_the_rank1_values(make) 
         assert torch.equal(after[key], value), key
     for key, value in rank1_before.items():
         assert torch.equal(after[key], value), key
-    store = {n for n, _ in model.named_parameters() if n.startswith("rank1_store_")}
-    assert set(rank1_before) == store  # every table lives in the store, and all of it was kept
+    own = {n for n, _ in model.named_parameters() if "rank1_" in n}
+    assert set(rank1_before) == own  # every table is its layer's own, and all of it was kept
 
 
 def test_the_loaded_function_is_the_pretrained_one() -> None:
@@ -108,10 +106,10 @@ def test_a_converted_checkpoint_still_replaces_the_rank1_values() -> None:
         assert torch.equal(target.state_dict()[key], value), key
 
 
-def test_a_missing_key_of_the_store_is_reported_missing() -> None:
+def test_a_missing_rank1_key_is_reported_missing() -> None:
     model = bayesify.convert(SequenceModel().double(), task="classification")
     state = model.state_dict()
-    rho = next(k for k in state if k.startswith("rank1_store_") and k.endswith("_rho"))
+    rho = "head.rank1_r.rho"
     del state[rho]
     with pytest.raises(RuntimeError, match="Missing key") as error:
         model.load_state_dict(state, strict=True)
@@ -122,12 +120,12 @@ def test_a_missing_key_of_the_store_is_reported_missing() -> None:
 @pytest.mark.parametrize(
     "make", [lambda: SequenceModel().double(), lambda: timm.create_model("resnet18", num_classes=5)]
 )
-def test_a_checkpoint_of_release_0_2_loads_strictly_onto_the_store(make) -> None:
+def test_a_checkpoint_of_release_0_3_loads_strictly_onto_the_layers(make) -> None:
     torch.manual_seed(0)
     source = bayesify.convert(make(), task="classification")
     _perturb(source)
-    legacy = legacy_state_dict(source)
-    assert not any(k.startswith("rank1_store_") for k in legacy) and any(k.endswith("rank1_s.loc") for k in legacy)
+    legacy = release_0_3_state_dict(source)
+    assert any(k.startswith("rank1_store_") for k in legacy) and not any(k.endswith("rank1_s.loc") for k in legacy)
     target = bayesify.convert(make(), task="classification")
     result = target.load_state_dict(legacy, strict=True)
     assert result.missing_keys == [] and result.unexpected_keys == []
@@ -135,9 +133,9 @@ def test_a_checkpoint_of_release_0_2_loads_strictly_onto_the_store(make) -> None
         assert torch.equal(target.state_dict()[key], value), key
 
 
-def test_release_0_2_keys_missing_from_a_checkpoint_are_reported_by_name() -> None:
+def test_rank1_keys_missing_from_a_checkpoint_are_reported_by_name() -> None:
     model = bayesify.convert(SequenceModel().double(), task="classification")
-    legacy = legacy_state_dict(model)
+    legacy = model.state_dict()  # release 0.2's keys: the same
     del legacy["head.rank1_r.rho"], legacy["attn.rank1_bias_out"]
     with pytest.raises(RuntimeError, match="Missing key") as error:
         model.load_state_dict(legacy, strict=True)
@@ -149,15 +147,15 @@ def test_release_0_2_keys_missing_from_a_checkpoint_are_reported_by_name() -> No
 @pytest.mark.parametrize("legacy", [False, True])
 def test_a_checkpoint_of_another_k_is_refused_in_one_line_naming_both(legacy: bool) -> None:
     saved = bayesify.convert(timm.create_model("resnet18", num_classes=5), components=2, task="classification")
-    state = legacy_state_dict(saved) if legacy else saved.state_dict()
+    state = release_0_3_state_dict(saved) if legacy else saved.state_dict()
     model = bayesify.convert(timm.create_model("resnet18", num_classes=5), components=4, task="classification")
-    before = _rank1_entries(model)
-    with pytest.raises(RuntimeError) as error:
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError) as error:
         model.load_state_dict(state)
     message = str(error.value)
     assert "components=2" in message and "components=4" in message and "bayesify.convert(model, components=2)" in message
-    assert "size mismatch" not in message and len(message) < 600, message
-    for key, value in before.items():  # nothing of the refused tables was loaded
+    assert "size mismatch" not in message and "Missing key" not in message and "\n" not in message, message
+    for key, value in before.items():  # nothing was loaded: the weights neither
         assert torch.equal(model.state_dict()[key], value), key
 
 
@@ -181,9 +179,9 @@ def test_the_callers_state_dict_is_not_changed() -> None:
 
 def test_assign_keeps_the_rank1_parameter_objects() -> None:
     model = bayesify.convert(SequenceModel().double(), task="classification")
-    store = [p for n, p in model.named_parameters() if n.startswith("rank1_store_")]
+    store = [p for n, p in model.named_parameters() if "rank1_" in n]
     model.load_state_dict(SequenceModel().double().state_dict(), assign=True)
-    after = [p for n, p in model.named_parameters() if n.startswith("rank1_store_")]
+    after = [p for n, p in model.named_parameters() if "rank1_" in n]
     assert all(a is b and a.requires_grad for a, b in zip(after, store)) and len(after) == len(store)
 
 

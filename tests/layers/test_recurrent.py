@@ -453,7 +453,7 @@ def test_parameter_names_and_revert() -> None:
     bayesify.convert(layer, components=K)
     names = set(layer.state_dict())
     assert before < names
-    assert {"rank1_store_0_loc", "rank1_store_0_rho", "rank1_store_1_loc"} <= names  # the flat store
+    assert {"rank1_s_ih_l1_reverse.loc", "rank1_s_ih_l1_reverse.rho", "rank1_bias_ih_l0_reverse"} <= names  # its own
     assert {"rank1_s_ih_l1_reverse", "rank1_r_hr_l0"} <= {n for n, _ in layer.rank1_factors()}
     assert "rank1_bias_ih_l0_reverse" in layer.rank1_state.packed
     bayesify.revert(layer)

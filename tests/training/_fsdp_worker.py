@@ -80,7 +80,7 @@ def main(name: str) -> None:
     assert any(isinstance(p, DTensor) for p in net.parameters()), "nothing was sharded"
     half = len(x) // world
 
-    # the KL outside a forward pass: the store is sharded; counted once over the ranks, gradient included
+    # the KL outside a forward pass: every table is sharded; counted once over the ranks, gradient included
     kl_ref, kl = bayesify.kl_divergence(ref), bayesify.kl_divergence(net)
     assert not isinstance(kl, DTensor), type(kl)
     check("KL before a forward pass", kl_ref, kl)
@@ -124,6 +124,13 @@ def main(name: str) -> None:
         opt.step()
         opt_ref.zero_grad()
         opt.zero_grad()
+        with torch.no_grad():
+            # every step starts the reference from the sharded model's own parameters: under FSDP a layer draws its
+            # factors from its own (then unsharded) tables, the reference from the joined ones, the same ops on
+            # other tensor sizes, equal to an ulp (vectorised vs scalar loops); batch norm over a few rows per
+            # component amplifies an ulp ~1e5-fold a step, which a trajectory of steps cannot tell from a bug
+            for p_ref, p in zip(ref.parameters(), net.parameters()):
+                p_ref.copy_(full(p))
 
         with torch.no_grad():  # batch-norm statistics are per rank under FSDP (as under DDP): take the reference's
             for b_ref, b in zip(ref.buffers(), net.buffers()):

@@ -80,6 +80,18 @@ def test_open_run_rebuilds_the_trained_model(runs):
     assert all(torch.equal(saved[k], v) for k, v in run.model.state_dict().items())
 
 
+def test_a_run_is_called_on_its_data_sets_own_inputs(runs):
+    """``run(x)`` takes the test set's inputs as they are and normalises them as training did (issue 26: the model
+    alone expects normalised inputs, which nothing said)."""
+    run = open_run(runs["rank1"], device="cpu")
+    x = torch.stack([run.data.test[i][0] for i in range(6)])
+    assert run.data.mean is not None  # digits: normalised in training
+    with torch.no_grad():
+        torch.testing.assert_close(run(x), run.model(run.data.normalize(x)))
+        assert not torch.allclose(run(x), run.model(x))
+    assert "normalised" in type(run).__doc__ and "run.data.normalize" in type(run).__doc__
+
+
 def test_bad_requests_name_the_fix(runs, tmp_path):
     with pytest.raises(ValueError, match="--corruptions applies to image data; breast-cancer is tabular"):
         evaluate_run(runs["tabular"], corruptions="fog")

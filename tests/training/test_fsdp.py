@@ -2,8 +2,8 @@
 
 Each test starts ``tests/training/_fsdp_worker.py`` under ``torchrun --nproc-per-node 2``; the worker compares,
 on every rank and in float64, the sharded model's loss, KL and every gathered gradient with an unsharded copy
-over three SGD steps (sampled, tiled and default routes; the KL also before any forward pass, when the store
-is sharded), then the mixture evaluation after each step, ``bayesify.uncertainty``, and ``gather`` + ``merge``
+over three SGD steps, each from the same parameters (sampled, tiled and default routes; the KL also before any
+forward pass, when every table is sharded), then the mixture evaluation after each step, ``bayesify.uncertainty``, and ``gather`` + ``merge``
 of the result. It exits non-zero naming the first value that differs.
 """
 

@@ -23,15 +23,13 @@ def test_param_groups_put_every_parameter_in_its_documented_group():
     groups = {g["name"]: g for g in param_groups(net, lr=0.1, weight_decay=0.01, fast_weight_lr_multiplier=0.5)}
     assert list(groups) == list(GROUPS) == ["weights", "no_decay", "rank1_factors", "rank1_other"]
     layers = (net[0], net[2])
-    # the factors and the bias offsets live in the model's flat store: one Parameter per table kind
-    factors = [net.rank1_store_0_loc, net.rank1_store_0_rho]
-    assert {net[0].rank1_s.rank1_slot[0], net[2].rank1_r.rank1_slot[0]} == {net.rank1_store[0]}
-    assert net[0].rank1_state.packed["rank1_bias"][0] is net[2].rank1_state.packed["rank1_bias"][0] is net.rank1_store[1]
+    # every layer's own factors and bias offsets
+    factors = [p for m in layers for f in (m.rank1_s, m.rank1_r) for p in (f.loc, f.rho)]
     assert _ids(groups["weights"]["params"]) == _ids(m.weight for m in layers)
     assert _ids(groups["no_decay"]["params"]) == _ids(m.bias for m in layers)
     assert _ids(groups["rank1_factors"]["params"]) == _ids(factors)
     # per-component bias offsets are slow weights, as in the reference (not in the multiplied group)
-    assert _ids(groups["rank1_other"]["params"]) == _ids([net.rank1_store_1_loc])
+    assert _ids(groups["rank1_other"]["params"]) == _ids(m.rank1_bias for m in layers)
     assert [(g["lr"], g["weight_decay"]) for g in groups.values()] == [(0.1, 0.01), (0.1, 0.0), (0.05, 0.0), (0.1, 0.0)]
     every = [p for g in groups.values() for p in g["params"]]
     assert len(every) == len(list(net.parameters())) == len(_ids(every))
@@ -94,8 +92,8 @@ def test_multiplier_scales_the_sgd_update_of_factors_only():
     opt.step()
     for name, p in net.named_parameters():
         step = float((before[name] - p.detach()).flatten()[0])
-        # the factors' store (rank1_store_0_*: every r and s of the model) moves 3x; the bias offsets' store does not
-        assert step == pytest.approx(0.3 if name.startswith("rank1_store_0_") else 0.1), name
+        # every r and s of the model moves 3x; the bias offsets do not
+        assert step == pytest.approx(0.3 if ".rank1_s." in name or ".rank1_r." in name else 0.1), name
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,391 @@
+"""A converted model keeps PyTorch's module contract (issue 26): what PyTorch lets a user do to a module does for a
+converted layer's rank-1 factors what it does for its weight. One test per idiom, named by it; the rule where a
+test is silent is what PyTorch does for a plain ``nn.Linear``.
+
+1. A module's parameters are its own: freezing, training the head alone, groups by module, timm's layer decay,
+   ``rank1_parameters(submodule)``, ``requires_grad_`` on a factor, ``summary()``'s counts.
+2. A parameter change is seen by the next forward pass, whichever way it was made (``.data``, casts,
+   ``load_state_dict(assign=True)``, ``vector_to_parameters``, ``functional_call``, an EMA through ``.data``).
+3. Calling part of a model: deterministic where ``mode()`` says so, equal to the whole model's own members, and a
+   one-line error where a route needs the root.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import bayesify
+from tests._rank1 import perturb
+
+K = 4
+
+
+def _resnet(num_classes: int = 5) -> nn.Module:
+    torch.manual_seed(0)
+    model = bayesify.convert(timm.create_model("resnet18", num_classes=num_classes), components=K)
+    perturb(model, loc_std=0.1, offset_std=0.1)
+    return model
+
+
+def _batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 3, 32, 32, generator=g), torch.randint(5, (n,), generator=g)
+
+
+def _own_rank1(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in module.named_parameters() if "rank1_" in n}
+
+
+def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _adam_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) -> None:
+    x, y = _batch()
+    model.train()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y) + bayesify.kl_loss(model, 1000)
+        loss.backward()
+        optimizer.step()
+
+
+def _moved(before: dict[str, torch.Tensor], model: nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
+
+
+# ---- 1. a module's parameters are its own ------------------------------------------------------------------
+
+
+def test_every_layers_factors_are_parameters_named_under_it() -> None:
+    model = _resnet()
+    names = set(_own_rank1(model))
+    assert {"layer1.0.conv1.rank1_s.loc", "layer1.0.conv1.rank1_s.rho", "fc.rank1_r.loc", "fc.rank1_bias"} <= names
+    assert not any(n.startswith("rank1_") for n in names)  # nothing of a layer's lives on the root
+
+
+def test_freezing_a_block_freezes_its_factors() -> None:
+    model = _resnet()
+    for p in model.layer1.parameters():
+        p.requires_grad = False
+    before = _snapshot(model)
+    _adam_steps(model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    moved = _moved(before, model)
+    assert not {n for n in moved if n.startswith("layer1.")}, "a frozen block's factors trained"
+    assert {"fc.rank1_s.loc", "layer2.0.downsample.0.rank1_r.rho"} <= moved
+
+
+def test_training_the_head_alone_trains_its_factors_and_nothing_else() -> None:
+    model = _resnet()
+    model.requires_grad_(False)
+    model.fc.requires_grad_(True)
+    assert all(p.requires_grad for p in bayesify.rank1_parameters(model.fc))
+    before = _snapshot(model)
+    _adam_steps(model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    moved = _moved(before, model)
+    assert moved and all(n.startswith("fc.") for n in moved), moved
+    assert {"fc.rank1_s.loc", "fc.rank1_r.loc", "fc.rank1_s.rho"} <= moved  # the head trains as a Bayesian layer
+
+
+def test_parameter_groups_by_module_give_the_heads_factors_the_heads_rate() -> None:
+    model = _resnet()
+    head = list(model.fc.parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in head)]
+    assert any(p is model.fc.rank1_s.loc for p in head)
+    optimizer = torch.optim.SGD([{"params": head, "lr": 1e-2}, {"params": rest, "lr": 1e-3}])
+    before = _snapshot(model)
+    model.train()
+    optimizer.zero_grad()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    for name, p in model.named_parameters():
+        step = float((before[name] - p.detach()).flatten()[0])
+        assert step == pytest.approx(1e-2 if name.startswith("fc.") else 1e-3, rel=1e-4), name
+
+
+def test_parameter_groups_by_name_prefix_include_the_factors() -> None:
+    model = _resnet()
+    prefix = [n for n, _ in model.named_parameters() if n.startswith("layer4.")]
+    assert {"layer4.1.conv2.rank1_s.loc", "layer4.1.conv2.rank1_r.rho"} <= set(prefix)
+
+
+def test_timm_layer_decay_scales_the_factors_with_their_layer() -> None:
+    from timm.optim import create_optimizer_v2
+
+    torch.manual_seed(0)
+    model = bayesify.convert(timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=5), components=K)
+    optimizer = create_optimizer_v2(model, "adamw", lr=1e-3, weight_decay=0.05, layer_decay=0.75)
+    scale = {id(p): g["lr_scale"] for g in optimizer.param_groups for p in g["params"]}
+    decay = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
+    for block in ("blocks.0.attn.qkv", "blocks.11.mlp.fc2", "head"):
+        layer = model.get_submodule(block)
+        for name, p in _own_rank1(layer).items():
+            assert scale[id(p)] == pytest.approx(scale[id(layer.weight)]), f"{block}.{name}"
+            assert decay[id(p)] == 0.0, f"{block}.{name} is decayed"  # no_weight_decay() keeps rank1_* out
+    assert scale[id(model.blocks[0].attn.qkv.rank1_s.loc)] < scale[id(model.head.rank1_s.loc)]
+
+
+def test_rank1_parameters_of_a_submodule_are_its_own() -> None:
+    model = _resnet()
+    own = list(bayesify.rank1_parameters(model.layer1))
+    assert {id(p) for p in own} == {id(p) for p in _own_rank1(model.layer1).values()}
+    assert sum(p.numel() for p in own) == sum(
+        p.numel() for n, p in model.named_parameters() if n.startswith("layer1.") and "rank1_" in n
+    )
+    assert sum(p.numel() for p in bayesify.rank1_parameters(model)) == sum(p.numel() for p in _own_rank1(model).values())
+
+
+def test_requires_grad_on_a_factor_freezes_it() -> None:
+    model = _resnet()
+    model.fc.rank1_s.requires_grad_(False)
+    model.layer1[0].conv1.rank1_r.loc.requires_grad = False
+    before = _snapshot(model)
+    _adam_steps(model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2))
+    moved = _moved(before, model)
+    assert not {"fc.rank1_s.loc", "fc.rank1_s.rho", "layer1.0.conv1.rank1_r.loc"} & moved
+    assert {"fc.rank1_r.loc", "fc.rank1_r.rho"} <= moved
+    assert model.fc.rank1_s.loc.grad is None
+
+
+def test_summary_gives_each_layer_its_own_count() -> None:
+    model = _resnet()
+    report = bayesify.summary(model)
+    rows = [line for line in str(report).splitlines() if line.strip().startswith(("conv1 ", "layer", "fc "))]
+    counts = [int(line.rsplit("+", 1)[1].replace(",", "")) for line in rows if "+" in line]
+    total = sum(p.numel() for p in _own_rank1(model).values())
+    assert len(counts) == len(list(bayesify.rank1_layers(model))) and sum(counts) == total
+    assert f"+ {total:,} rank-1" in str(report) or f"{total:,} rank-1" in str(report)
+
+
+# ---- 2. a parameter change is seen by the next forward pass ------------------------------------------------
+
+
+def _evaluate(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(x)
+
+
+def _fresh_copy(model: nn.Module) -> nn.Module:
+    """A new model of the same network loaded with ``model``'s state dict: what the outputs must equal."""
+    torch.manual_seed(0)
+    fresh = bayesify.convert(timm.create_model("resnet18", num_classes=5), components=K)
+    fresh.load_state_dict(model.state_dict())
+    return fresh.to(next(model.parameters()).dtype)
+
+
+def _write_data(model: nn.Module) -> None:
+    model.fc.rank1_s.loc.data = model.fc.rank1_s.loc.data * 1.5
+    model.layer4[1].conv2.rank1_r.loc.data.mul_(0.5)
+    model.conv1.weight.data.mul_(2.0)  # the stem folds its members' weights in evaluation
+    model.conv1.rank1_s.loc.data.add_(0.2)
+
+
+def _vector_to_parameters(model: nn.Module) -> None:
+    params = list(model.parameters())
+    vector = torch.nn.utils.parameters_to_vector(params)
+    torch.nn.utils.vector_to_parameters(vector * 1.01, params)
+
+
+def _half_float(model: nn.Module) -> None:
+    model.half().float()
+
+
+def _apply(model: nn.Module) -> None:
+    model.apply(lambda m: m.rank1_s.loc.data.add_(0.1) if isinstance(m, bayesify.ConvertedLayer) else None)
+
+
+def _assign(model: nn.Module) -> None:
+    state = {k: v.clone() * 1.1 if "rank1_" in k else v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+
+
+def _copy_no_grad(model: nn.Module) -> None:
+    with torch.no_grad():
+        for p in bayesify.rank1_parameters(model):
+            p.copy_(p * 0.9)
+
+
+def _to_double(model: nn.Module) -> None:
+    model.to(torch.float64)
+
+
+@pytest.mark.parametrize(
+    "change", [_write_data, _vector_to_parameters, _half_float, _apply, _assign, _copy_no_grad, _to_double],
+    ids=["data", "vector_to_parameters", "half-float", "apply", "load_state_dict-assign", "copy-no-grad", "to"],
+)
+def test_a_parameter_change_is_seen_by_the_next_forward_pass(change) -> None:
+    model = _resnet()
+    x, _ = _batch(4)
+    _evaluate(model, x)  # anything kept from this call must not outlive the change
+    with bayesify.mode(model, route="tile", noise=False), torch.no_grad():
+        model(x)
+    change(model)
+    x = x.to(next(model.parameters()).dtype)
+    fresh = _fresh_copy(model)
+    torch.testing.assert_close(_evaluate(model, x), _evaluate(fresh, x))
+    with bayesify.mode(model, route="tile", noise=False), bayesify.mode(fresh, route="tile", noise=False), torch.no_grad():
+        torch.testing.assert_close(model(x), fresh(x))
+
+
+def test_functional_call_with_the_factors_uses_them() -> None:
+    model = _resnet()
+    x, _ = _batch(4)
+    _evaluate(model, x)
+    replaced = {n: p.detach() * 1.2 for n, p in _own_rank1(model).items()}
+    with torch.no_grad():
+        out = torch.func.functional_call(model.eval(), replaced, (x,))
+    fresh = _fresh_copy(model)
+    fresh.load_state_dict(replaced, strict=False)
+    torch.testing.assert_close(out, _evaluate(fresh, x))
+    torch.testing.assert_close(_evaluate(model, x), _evaluate(_fresh_copy(model), x))  # and back to its own
+
+
+def test_an_ema_written_through_data_is_evaluated_as_it_is() -> None:
+    model, ema = _resnet(), _resnet()
+    x, y = _batch()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        _adam_steps(model, optimizer, steps=1)
+        for e, p in zip(ema.parameters(), model.parameters()):  # hand-written EMA, the .data way
+            e.data.mul_(0.5).add_(p.data, alpha=0.5)
+        torch.testing.assert_close(_evaluate(ema, x), _evaluate(_fresh_copy(ema), x))
+
+
+def test_a_training_step_after_a_data_write_draws_the_written_values() -> None:
+    model = _resnet()
+    x, y = _batch()
+    model.train()
+    F.cross_entropy(model(x), y).backward()  # a training pass (keeps its joined tables for the KL of its step)
+    model.fc.rank1_s.loc.data = torch.zeros_like(model.fc.rank1_s.loc)
+    kl = bayesify.kl_divergence(model)
+    fresh = _fresh_copy(model)
+    torch.testing.assert_close(kl, bayesify.kl_divergence(fresh))
+
+
+# ---- 3. calling part of a model ---------------------------------------------------------------------------------
+
+
+def _members(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with bayesify.mode(model, route="tile", noise=False), torch.no_grad():
+        return model(x).view(K, x.shape[0], -1)
+
+
+def test_timm_forward_features_and_forward_head_under_mode_are_the_models_member() -> None:
+    model = _resnet().eval()
+    x, _ = _batch(4)
+    members = _members(model, x)
+    for k in range(K):
+        with bayesify.mode(model, component=k, noise=False), torch.no_grad():
+            features = model.forward_features(x)
+            assert torch.equal(features, model.forward_features(x))  # deterministic
+            torch.testing.assert_close(model.forward_head(features), members[k])
+
+
+def test_forward_features_in_evaluation_says_what_to_do_in_one_line() -> None:
+    model = _resnet().eval()
+    x, _ = _batch(4)
+    with pytest.raises(RuntimeError) as error, torch.no_grad():
+        model.forward_features(x)
+    message = str(error.value)
+    assert "outside the forward pass" in message and "bayesify.mode(model, component=k)" in message
+    assert "\n" not in message
+    with bayesify.mode(model, route="tile"), pytest.raises(RuntimeError, match="tiles the inputs"), torch.no_grad():
+        model.forward_features(x)
+
+
+def test_sub_module_calls_in_training_route_every_layer_alike() -> None:
+    """Outside the root's forward, training splits the rows into K blocks in component order, in every layer."""
+    model = _resnet()
+    x, _ = _batch(8)
+    model.train()
+    with torch.no_grad():
+        torch.manual_seed(3)
+        sampled = model.forward_head(model.forward_features(x))
+    assert sampled.shape == (8, 5) and torch.isfinite(sampled).all()
+    seen = []
+    handles = [layer.register_forward_hook(lambda m, a, o: seen.append(o)) for _, layer in bayesify.rank1_layers(model)]
+    model.eval()  # (batch norm on its running statistics, as the members below)
+    with bayesify.mode(model, route="sample", noise=False), torch.no_grad():
+        model.forward_head(model.forward_features(x))  # blocks in order at the means: member k's rows
+    for h in handles:
+        h.remove()
+    members = _members(model, x)
+    out = seen[-1]
+    for k in range(K):
+        torch.testing.assert_close(out[2 * k : 2 * k + 2], members[k, 2 * k : 2 * k + 2])
+
+
+def test_timm_features_only_model_converts_and_runs_each_member() -> None:
+    torch.manual_seed(0)
+    model = bayesify.convert(timm.create_model("resnet18", features_only=True, out_indices=(2, 3)), components=K, task="regression")
+    x, _ = _batch(2)
+    with bayesify.mode(model, component=1, noise=False), torch.no_grad():
+        a = model.eval()(x)
+        b = model(x)
+    assert [t.shape[1] for t in a] == [128, 256] and all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_torchvision_feature_extractor_of_a_converted_model() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    torch.manual_seed(0)
+    model = bayesify.convert(torchvision.models.resnet18(num_classes=5), components=K)
+    perturb(model, loc_std=0.1, offset_std=0.1)
+    model.eval()
+    extractor = create_feature_extractor(model, {"layer4": "features", "fc": "logits"})
+    x, _ = _batch(3)
+    members = _members(model, x)
+    for k in (0, 3):
+        with bayesify.mode(extractor, component=k, noise=False), torch.no_grad():
+            out = extractor(x)
+            assert torch.equal(out["features"], extractor(x)["features"])
+        torch.testing.assert_close(out["logits"], members[k])
+    with pytest.raises(RuntimeError, match="outside the forward pass"), torch.no_grad():
+        extractor(x)
+
+
+def test_hugging_face_base_model_call() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    model = bayesify.convert(transformers.GPT2LMHeadModel(config), components=K)
+    perturb(model, loc_std=0.1, offset_std=0.1)
+    model.eval()
+    tokens = torch.randint(50, (2, 6))
+    with torch.no_grad():
+        with bayesify.mode(model, route="tile", noise=False):
+            whole = model(input_ids=tokens).logits.view(K, 2, 6, 50)
+        for k in range(K):
+            with bayesify.mode(model, component=k, noise=False):
+                hidden = model.transformer(input_ids=tokens).last_hidden_state
+                torch.testing.assert_close(model.lm_head(hidden), whole[k])
+        with pytest.raises(RuntimeError, match="outside the forward pass"):
+            model.transformer(input_ids=tokens)
+
+
+def test_a_lone_layer_call_is_member_k_of_that_layer() -> None:
+    model = _resnet().eval()
+    h = torch.randn(3, 512)
+    with bayesify.mode(model, component=2, noise=False), torch.no_grad():
+        out = model.fc(h)
+    fc = model.fc
+    expected = ((h * fc.rank1_s.loc[2]) @ fc.weight.T) * fc.rank1_r.loc[2] + fc.bias + fc.rank1_bias[2]
+    torch.testing.assert_close(out, expected)
+
+
+def test_a_deep_copy_of_a_converted_model_owns_its_factors() -> None:
+    model = _resnet()
+    copied = copy.deepcopy(model)
+    x, _ = _batch(4)
+    torch.testing.assert_close(_evaluate(copied, x), _evaluate(model, x))
+    copied.fc.rank1_s.loc.data.mul_(2.0)
+    assert not torch.equal(_evaluate(copied, x), _evaluate(model, x))
