@@ -41,7 +41,7 @@ from bayesify.mixture import split_members, tile
 from bayesify.options import Route, Sampling
 from bayesify.predictive.outputs import is_packed, reduce_output
 from bayesify.predictive.tasks import Auto, Task
-from bayesify.variational import distributions
+from bayesify.variational.draws import ModelDraws, PassDraws
 
 if TYPE_CHECKING:
     from bayesify.config import Rank1Config
@@ -81,19 +81,11 @@ class ForwardState:
     members: int  # copies of each example in the routed batch (K * samples when tiled, else 1)
     inputs: dict = field(default_factory=dict)  # the call's keyword arguments as given (a task may read them)
     fixed_components: tuple[int, ...] | None = None  # the blocks' components when the route fixes them (not sampled)
-    # the factors and offsets drawn for this pass, for the whole model at once, in the root's pre-hook (outside any
-    # checkpointed region, so a recomputation in the backward pass takes the very same values): every table,
-    # {(group number, kind): [m, total]} (kind "blocks": a value per block; "rows": per row), and the tables
-    # taken out of them as the layers take them, {(group number, kind, like): {slot: values}}; the groups' tables
-    # joined for this pass, {(group number, "loc" / "rho"): [K, total] or None where they cannot be joined}
-    full: dict = field(default_factory=dict)
-    draws: dict = field(default_factory=dict)
-    joined: dict = field(default_factory=dict)
-    noise: dict = field(default_factory=dict)  # {(group number, kind): eps} for a group not joined this pass
+    draws: PassDraws | None = None  # the factors drawn for this pass (variational/draws.py)
 
     @property
     def signature(self) -> tuple:
-        """What decides which tables a pass draws: passes alike draw alike (see :meth:`Router.draw_ahead`)."""
+        """What decides which tables a pass draws: passes alike draw alike (see :class:`ModelDraws`)."""
         return (self.spec.route, self.spec.noise, self.spec.samples, self.blocks is None, self.rows.shape[0])
 
 
@@ -120,10 +112,7 @@ class Router:
     state: ForwardState | None = None
     active: bool = False  # inside the root's forward
     handles: list[RemovableHandle] = field(default_factory=list)
-    groups: list = field(default_factory=list)  # the model's tables (variational/store.py), drawn ahead of each pass
-    # how the layers take the draws, by signature: {signature: {(kind, like): {group number: {slot, ...}}}}, learnt from
-    # their requests (a table first asked for is sliced out for its layer alone, and taken ahead from then on)
-    needs: dict = field(default_factory=dict)
+    draws: ModelDraws | None = None  # the model's groups of tables and how each pass draws them (set by convert)
     # the tiled routes' row indices by (members, rows each, device): the same for every batch of a size, so made once
     # (five ops a pass, a tenth of a small model's evaluation)
     tiled_rows: dict = field(default_factory=dict)
@@ -132,8 +121,16 @@ class Router:
         # the forward pass in flight is not state to copy or save: after torch.export or torch.compile
         # it holds the tracer's fake tensors, which cannot be copied (copy.deepcopy, bayesify.merge)
         state = dict(self.__dict__)
-        state["state"], state["active"], state["needs"], state["tiled_rows"] = None, False, {}, {}
+        state["state"], state["active"], state["tiled_rows"] = None, False, {}
         return state
+
+    def __post_init__(self) -> None:
+        if self.draws is None:
+            self.draws = ModelDraws(self.config.components)
+
+    def _draw(self, state: ForwardState) -> None:
+        """The factors' draws of the pass ``state`` routes (:meth:`ModelDraws.begin`)."""
+        state.draws = self.draws.begin(state.spec.noise, state.rows, state.block_components, state.fixed_components, state.signature)
 
     def _member_rows(self, members: int, rows_each: int, device: torch.device) -> Tensor:
         """:func:`member_rows`, kept for the next pass alike (not in a traced graph, whose sizes may be symbolic)."""
@@ -146,97 +143,6 @@ class Router:
                 self.tiled_rows.clear()
             rows = self.tiled_rows[key] = member_rows(members, rows_each, device)
         return rows
-
-    def draw_ahead(self, state: ForwardState) -> None:
-        """Draw every table of the model for this pass, each group in one go for the whole model: a value per
-        block ("blocks") and per row ("rows"), so that the draws and the random numbers they use do not depend
-        on which layers ask for which (:meth:`~bayesify.variational.store.TableGroup.draw_all`). Then take
-        the tables out as the layers took them in passes like this one (columns and shapes, ``state.draws``)."""
-        # every dict here is keyed by the groups' numbers (group.key), not the groups: older dynamo (torch 2.9)
-        # breaks the graph on a user object as a dict key
-        scales: dict = {}  # group number: its posterior scale, shared by both kinds of draw
-        # a traced pass (torch.compile, torch.export; its batch may be symbolic) neither learns nor takes ahead
-        needs = {} if torch.compiler.is_compiling() else self.needs.get(state.signature, {})
-        for kind, components in (("blocks", state.block_components), ("rows", state.rows)):
-            if components is None:
-                continue
-            if kind == "rows" and not state.spec.noise and not any(k == "rows" for k, _ in needs):
-                # no noise, no random numbers to keep in step: a value per row ([K*B, total] in a mixture
-                # evaluation) only once a layer has asked for one; until then it gathers its own
-                continue
-            if kind == "blocks" and state.fixed_components == tuple(range(self.components)):
-                components = None  # every component in order: the tables themselves, no gather
-            for group in self.groups:
-                if kind == "blocks" and not (state.spec.noise and group.sampled):
-                    continue  # no random numbers to keep in step: gathered when a layer asks (_full)
-                loc = self._joined(state, group, "loc")
-                if loc is None:
-                    # its tables are not alike this pass (FSDP2: sharded until each block's forward): only the random
-                    # numbers now, the values from each layer's own tables when it asks (_drawn_alone)
-                    if state.spec.noise and group.sampled:
-                        rows = self.components if components is None else components.shape[0]
-                        state.noise[(group.key, kind)] = group.noise(rows)
-                    continue
-                scale = None
-                if state.spec.noise and group.sampled:
-                    if group.key not in scales:
-                        rho = self._joined(state, group, "rho")
-                        scales[group.key] = None if rho is None else distributions.scale(rho)
-                    scale = scales[group.key]
-                    if scale is None:
-                        continue
-                state.full[(group.key, kind)] = group.draw_all(loc, components, state.spec.noise, scale)
-        # (a compiled graph fuses the slices of its own: learning the takes would only recompile it)
-        for (kind, like), groups in needs.items():
-            for key, slots in groups.items():
-                full = self._full(state, key, kind)
-                if full is not None:
-                    state.draws[(key, kind, like)] = self.groups[key].take(full, sorted(slots), like)
-
-    def drawn(self, state: ForwardState, group: Any, slot: int, kind: str, like: tuple | None = None) -> Tensor | None:
-        """Table ``slot`` of ``group`` as drawn for ``state`` (``kind``: "blocks" or "rows"; ``like``: the
-        shape to take it in, see :meth:`~bayesify.variational.store.TableGroup.take`, if it was taken so
-        ahead), ``[m, features]`` otherwise; None for a group the router does not draw."""
-        values = state.draws.get((group.key, kind, like))
-        if values is not None and slot in values:
-            return values[slot]
-        if group.key >= len(self.groups) or self.groups[group.key] is not group:
-            return None  # not one of this router's groups: the layer draws its own
-        if not torch.compiler.is_compiling():
-            shapes = self.needs.setdefault(state.signature, {})
-            shapes.setdefault((kind, like), {}).setdefault(group.key, set()).add(slot)
-        full = self._full(state, group.key, kind)
-        if full is None:
-            eps = state.noise.get((group.key, kind))
-            if eps is not None:  # drawn alone: this table's values from its own Parameters and its columns of eps
-                components = state.block_components if kind == "blocks" else state.rows
-                if kind == "blocks" and state.fixed_components == tuple(range(self.components)):
-                    components = None
-                return group.draw_one(slot, components, eps)
-            return None  # not drawn for this pass (a value per row without noise): the layer gathers its own
-        start = group.starts[slot]
-        return full[:, start : start + group.sizes[slot]]
-
-    def _full(self, state: ForwardState, key: int, kind: str) -> Tensor | None:
-        """Group ``key``'s values of ``kind`` for the pass: as drawn ahead, or (a value per block that takes no
-        random numbers: bias offsets, or the posterior means) gathered now, once, as the first layer asks."""
-        full = state.full.get((key, kind))
-        group = self.groups[key]
-        if full is None and kind == "blocks" and state.block_components is not None and not (state.spec.noise and group.sampled):
-            loc = self._joined(state, group, "loc")
-            if loc is None:
-                return None
-            components = None if state.fixed_components == tuple(range(self.components)) else state.block_components
-            full = state.full[(key, kind)] = group.draw_all(loc, components, False)
-        return full
-
-    @staticmethod
-    def _joined(state: ForwardState, group: Any, name: str) -> Tensor | None:
-        """``group``'s tables joined for this pass (:meth:`~bayesify.variational.store.TableGroup.joined`), once."""
-        key = (group.key, name)
-        if key not in state.joined:
-            state.joined[key] = group.joined(name)
-        return state.joined[key]
 
     @property
     def components(self) -> int:
@@ -372,12 +278,12 @@ class Router:
                 self.state = ForwardState(spec, rows, None, None, batch, axis, 1)
             else:
                 self.state = ForwardState(spec, *_balanced_blocks(self.components, batch, device), batch, axis, 1)
-            self.draw_ahead(self.state)
+            self._draw(self.state)
             return args, kwargs
         if spec.route is Route.COMPONENT:
             rows = torch.full((batch,), spec.component, dtype=torch.long, device=device)
             self.state = ForwardState(spec, rows, ((0, batch),), rows[:1], batch, axis, 1, None, (spec.component,))
-            self.draw_ahead(self.state)
+            self._draw(self.state)
             return args, kwargs
         # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B); one block per member
         members = self.components * spec.samples
@@ -386,7 +292,7 @@ class Router:
         components = self._member_rows(self.components, spec.samples, device)
         fixed = tuple(i // spec.samples for i in range(members))
         self.state = ForwardState(spec, rows, blocks, components, batch, axis, members, kwargs, fixed)
-        self.draw_ahead(self.state)
+        self._draw(self.state)
 
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
         if axes is None:
@@ -425,7 +331,7 @@ class Router:
         rows = torch.full((batch,), component, dtype=torch.long, device=device)
         self.active = True
         self.state = ForwardState(spec, rows, ((0, batch),), rows[:1], batch, 0, 1)
-        self.draw_ahead(self.state)
+        self._draw(self.state)
         return args, kwargs
 
     def end(self, module: nn.Module, output: object) -> object:

@@ -34,6 +34,7 @@ from bayesify.layers.recurrent import Rank1RNN, Rank1RNNCell
 from bayesify.predictive.libraries import infer_task
 from bayesify.predictive.tasks import Auto, resolve_task
 from bayesify.variational import store
+from bayesify.variational.draws import ModelDraws
 
 __all__ = ["ConversionReport", "Skip", "SkipKind", "convert", "default_mapping", "revert"]
 
@@ -324,10 +325,10 @@ def _finish(model: nn.Module, config: Rank1Config, router: _router.Router, names
     # the factors and bias offsets in groups drawn together once per pass (each stays its layer's own Parameter)
     layers = [layer for _, layer in rank1_layers(model)]
     store.pack(model, layers)
-    router.groups = list(dict.fromkeys(slot[0] for layer in layers for slot in store.slots_of(layer)))
-    for key, group in enumerate(router.groups):
+    groups = list(dict.fromkeys(slot[0] for layer in layers for slot in store.slots_of(layer)))
+    for key, group in enumerate(groups):
         group.key = key
-    router.needs = {}  # the layers' takes were learnt by group number: relearn them for the new numbering
+    router.draws = ModelDraws(config.components, groups)  # (the layers' takes are learnt again for the new numbering)
     _weight_decay.install(model)  # timm's optimizer factory: no weight decay on the rank-1 parameters
 
 

@@ -191,15 +191,15 @@ class Draw:
     def _ahead(self, slots: list, kind: str, like: tuple | None = None) -> list[Tensor] | None:
         """The values drawn ahead for these ``(group, slot)`` s, shaped for this call's rows; None if any was not."""
         forward = self.forward
-        if forward is None or self.layer is None or any(slot is None for slot in slots):
+        if forward is None or forward.draws is None or self.layer is None or any(slot is None for slot in slots):
             return None
         if like is not None:
             ndim, batch_axis, channel_axis = like
             like = (ndim, batch_axis % ndim, channel_axis % ndim)
             if self.repeat != 1 or kind != "rows" or like[1] >= like[2]:
                 like = None  # only the routed rows themselves, with the batch before the channels, come shaped
-        router = self.layer.rank1_state.router
-        values = [router.drawn(forward, group, index, kind, like) for group, index in slots]
+        model_draws = self.layer.rank1_state.router.draws
+        values = [model_draws.take(forward.draws, group, index, kind, like) for group, index in slots]
         if any(v is None for v in values):
             return None
         if self.repeat == 1:
