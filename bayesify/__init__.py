@@ -55,14 +55,6 @@ __all__ = [
 
 # sub-packages loaded on first use (bayesify.detection, bayesify.training, ...)
 _LAZY = ("detection", "evaluation", "hf", "predictive", "training", "zoo")
-# release 0.1's aliases, removed in 0.3: a one-line error says where each went
-_REMOVED = {
-    "wrappers": "bayesify.layers",
-    "priors": "bayesify.variational",
-    "modules": "bayesify (or bayesify.inspection / bayesify.kl)",
-    "data": "bayesify.zoo",
-    "models": "bayesify.zoo",
-}
 
 
 def __getattr__(name: str) -> object:
@@ -70,6 +62,4 @@ def __getattr__(name: str) -> object:
 
     if name in _LAZY:
         return importlib.import_module(f"bayesify.{name}")
-    if name in _REMOVED:
-        raise AttributeError(f"bayesify.{name} was removed in release 0.3; use {_REMOVED[name]}.")
     raise AttributeError(f"module 'bayesify' has no attribute {name!r}")

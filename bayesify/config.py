@@ -191,8 +191,6 @@ class Rank1Config:
     @classmethod
     def from_options(cls, base: "Rank1Config | None" = None, **options: Any) -> "Rank1Config":
         """``base`` (default: the defaults) with ``options`` applied; unknown names raise a TypeError listing them all."""
-        if "reduction" in options:  # release 0.1's name, removed in 0.3
-            raise TypeError(REDUCTION_REMOVED)
         unknown = sorted(set(options) - set(cls.option_names()))
         if unknown:
             raise TypeError(
@@ -227,12 +225,6 @@ class Rank1Config:
                 value = str(value)  # a custom Task is saved by name only
             plain[f.name] = list(value) if isinstance(value, tuple) else value
         return plain
-
-
-REDUCTION_REMOVED = (
-    "reduction= was removed in release 0.3; pass task= instead: 'classification' (was 'logits'), 'binary' (was "
-    "'binary_logits') or 'regression' (was 'mean')."
-)
 
 
 @functools.cache

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from bayesify._router import RouteSpec, is_example_list, find_root, find_router, split_output
-from bayesify.config import REDUCTION_REMOVED
 from bayesify.options import Route, parse_option
 from bayesify.predictive.tasks import Task, resolve_task
 
@@ -26,7 +25,6 @@ def mode(
     task: Task | str | Any = None,
     class_axis: int | None = None,
     component: int | None = None,
-    reduction: str | None = None,
 ) -> Iterator[None]:
     """Override how ``model`` routes examples, in training and evaluation alike, inside a ``with``.
 
@@ -44,7 +42,6 @@ def mode(
         task: for ``mixture``: what the output means (see :mod:`bayesify.predictive.tasks`); default: the
             conversion's. ``class_axis`` goes with ``task="classification"``.
         component: the component for ``route="component"`` (implies it when route is None).
-        reduction: removed in release 0.3 (a one-line error names the task to pass instead).
 
     Example:
         >>> with bayesify.mode(model, route="tile", noise=False):
@@ -64,8 +61,6 @@ def mode(
         raise ValueError(f"samples={samples!r} must be an integer >= 1 (samples per mixture component).")
     if noise is not None and not isinstance(noise, bool):
         raise TypeError(f"noise={noise!r} must be True, False or None (the model's default).")
-    if reduction is not None:
-        raise TypeError(REDUCTION_REMOVED)
     parsed = None if task is None and class_axis is None else resolve_task(task or "classification", class_axis=class_axis)
     router.overrides.append(RouteSpec(route, noise, samples, parsed, component))
     try:

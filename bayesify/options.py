@@ -45,7 +45,6 @@ def _snake(name: str) -> str:
     return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
 
-_Option = StrOption  # the private name of earlier releases
 
 
 class Prior(StrOption):

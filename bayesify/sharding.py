@@ -1,6 +1,6 @@
 """What a model sharded with FSDP2 looks like to the core (``kl.py``, ``merge.py``) and to the trainer's
 objective: whether a model is sharded, and a sharded value in full. Sharding itself lives in
-``bayesify/training/fsdp.py``, which re-exports these two."""
+``bayesify/training/fsdp.py``; ``bayesify.training.is_sharded`` is this module's."""
 
 from __future__ import annotations
 

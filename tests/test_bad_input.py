@@ -31,7 +31,7 @@ def _net() -> nn.Module:
         (dict(init_std=0), ValueError, r"init_std=0"),
         (dict(clip=-1), ValueError, r"clip=-1"),
         (dict(batch_dim=-1), ValueError, r"batch_dim=-1"),
-        (dict(reduction="max"), TypeError, r"reduction= was removed in release 0.3; pass task="),
+        (dict(reduction="max"), TypeError, r"unknown conversion option\(s\) \['reduction'\]"),
         (dict(include="encoder.*"), ValueError, r"\['encoder\.\*'\] matched no convertible module"),
         (dict(exclude=["0", "nope"]), ValueError, r"\['nope'\] matched no"),
         (dict(include=3), TypeError, r"include=3 must be a string or a list of strings"),

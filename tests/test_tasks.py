@@ -242,17 +242,12 @@ def test_tasks_say_what_they_mean_through_methods() -> None:
         Members().uncertainty(members)
 
 
-def test_the_old_tasks_module_is_a_deprecated_alias() -> None:
+def test_the_aliases_of_earlier_releases_are_gone() -> None:
+    """Release 0.4 removed what 0.3 kept for one release (CHANGELOG): the module and attributes are not there."""
     import importlib
-    import sys
 
-    sys.modules.pop("bayesify.tasks", None)
-    with pytest.warns(DeprecationWarning, match="moved to bayesify.predictive"):
-        old = importlib.import_module("bayesify.tasks")
-    assert old.Classification is Classification
-
-
-def test_removed_aliases_name_their_replacement() -> None:
-    for name, where in (("wrappers", "bayesify.layers"), ("priors", "bayesify.variational"), ("data", "bayesify.zoo")):
-        with pytest.raises(AttributeError, match=f"bayesify.{name} was removed in release 0.3; use {where}"):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("bayesify.tasks")
+    for name in ("wrappers", "priors", "data"):
+        with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
             getattr(bayesify, name)

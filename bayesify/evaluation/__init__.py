@@ -43,11 +43,3 @@ __all__ = [
     "severity_plot",
     "task_metrics",
 ]
-
-_MOVED = {"evaluate_run", "open_run", "LoadedRun"}  # release 0.3: training imports evaluation, never the other way
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:  # an ImportError: `from bayesify.evaluation import evaluate_run` keeps this message
-        raise ImportError(f"bayesify.evaluation.{name} moved to bayesify.training.{name} in release 0.3.")
-    raise AttributeError(f"module 'bayesify.evaluation' has no attribute {name!r}")

@@ -5,7 +5,8 @@ from bayesify.training import Objective, TrainConfig, Trainer, build_model, para
 
 from bayesify.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from bayesify.training.config import Precision, TrainConfig
-from bayesify.training.fsdp import find_blocks, gather, is_sharded, shard
+from bayesify.sharding import is_sharded
+from bayesify.training.fsdp import find_blocks, gather, shard
 from bayesify.training.objective import (
     Likelihood,
     Objective,

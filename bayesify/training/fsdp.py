@@ -35,9 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bayesify import hf
-from bayesify.sharding import is_sharded, whole
-
-__all__ = ["find_blocks", "gather", "is_sharded", "shard", "whole"]
+__all__ = ["find_blocks", "gather", "shard"]
 
 BlockSpec = Iterable["type[nn.Module] | str"]
 

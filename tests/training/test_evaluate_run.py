@@ -127,12 +127,3 @@ def test_the_configuration_shows_the_prior_std_the_depth_rule_chose(runs):
     report = Path(evaluate_run(runs["rank1"], max_examples=8)["files"]["report"]).read_text()
     assert f"| prior_std | {prior_std:.3g} (unset: min(0.3, 0.4 / sqrt(L)) for L = {depth} rank-1 layers) |" in report
     assert f"| init_std | {prior_std:.3g} (unset: the prior's scale, so the posterior starts at the prior) |" in report
-
-
-def test_the_old_place_names_the_new_one():
-    import bayesify.evaluation
-
-    with pytest.raises(ImportError, match=r"moved to bayesify.training.evaluate_run in release 0.3"):
-        bayesify.evaluation.evaluate_run  # noqa: B018
-    with pytest.raises(ImportError, match="moved to bayesify.training.open_run"):
-        from bayesify.evaluation import open_run  # noqa: F401
