@@ -24,10 +24,10 @@ from bayesify.options import (
     Sampling,
     StrOption,
     VarianceParameter,
+    check_pair,
     option,
 )
 from bayesify.predictive.tasks import Task, TaskName, resolve_task
-from bayesify.variational.divergence import check_pair
 
 __all__ = ["Rank1Config"]
 

@@ -20,6 +20,7 @@ __all__ = [
     "Sampling",
     "StrOption",
     "VarianceParameter",
+    "check_pair",
     "option",
     "parse_option",
 ]
@@ -154,3 +155,12 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any =
     ``cli=False`` keeps a field off the command line (e.g. a Python-only mapping).
     """
     return dataclasses.field(default=default, default_factory=factory, metadata={"help": help, "cli": cli})
+
+
+def check_pair(posterior: Posterior, prior: Prior) -> None:
+    """Raise a ValueError for a posterior/prior pair whose KL is infinite."""
+    if posterior is Posterior.CAUCHY and prior is Prior.NORMAL:
+        raise ValueError(
+            "posterior='cauchy' with prior='normal' has an infinite KL divergence (a Cauchy has no "
+            "finite second moment); use prior='cauchy' with a Cauchy posterior."
+        )

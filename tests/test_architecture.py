@@ -141,3 +141,19 @@ def test_the_task_is_decided_in_one_place() -> None:
         if name.startswith("bayesify.predictive"):
             continue
         assert "parse_task(" not in path.read_text(), f"{name} parses a task: use resolve_task"
+
+
+def test_the_options_sit_below_what_uses_them() -> None:
+    """``config.py`` (the options, one list) imports nothing of the variational wing, the layers or the router: the
+    KL-pair check it runs lives with the option enums (``options.py``). No arrow of the import graph runs back up."""
+    below = _reaches("bayesify.config")
+    assert not {m for m in below if m.startswith(("bayesify.variational", "bayesify.layers", "bayesify._router"))}, sorted(below)
+
+
+def test_the_per_pass_draw_lives_beside_the_factors() -> None:
+    """The router routes rows; the factors' draws of a pass are ``variational/draws.py``'s, which knows no router."""
+    assert "bayesify.variational.draws" in GRAPH["bayesify._router"]
+    assert not {m for m in _reaches("bayesify.variational.draws") if m.startswith(("bayesify._router", "bayesify.layers"))}
+    source = MODULES["bayesify._router"].read_text()
+    for name in ("draw_all", "draw_one", ".noise(", "joined("):
+        assert name not in source, name

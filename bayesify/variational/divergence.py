@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from bayesify.options import Posterior, Prior
+from bayesify.options import Posterior, Prior, check_pair
 from bayesify.variational.distributions import scale as positive_scale
 
 __all__ = [
@@ -99,15 +99,6 @@ def kl_normal_cauchy(
     expected_log_p = -(torch.log1p(z * z) * weights).sum(-1) - log_norm
     entropy_q = 0.5 * math.log(2 * math.pi * math.e) + torch.log(scale_q)
     return -entropy_q - expected_log_p
-
-
-def check_pair(posterior: Posterior, prior: Prior) -> None:
-    """Raise a ValueError for a posterior/prior pair whose KL is infinite."""
-    if posterior is Posterior.CAUCHY and prior is Prior.NORMAL:
-        raise ValueError(
-            "posterior='cauchy' with prior='normal' has an infinite KL divergence (a Cauchy has no "
-            "finite second moment); use prior='cauchy' with a Cauchy posterior."
-        )
 
 
 def kl_divergence(
