@@ -19,7 +19,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from bayesify.config import Rank1Config
 from bayesify.layers._intercept import split_call
 from bayesify.layers.base import Draw, Rank1Layer
-from bayesify.layers.rank1_op import KnownMap, fold_weight, fold_weights, rank1_affine, rank1_folded, run_blocks, with_bias
+from bayesify.layers.folded import fold_weight, fold_weights, rank1_folded, run_blocks
+from bayesify.layers.rank1_op import KnownMap, rank1_affine, with_bias
 from bayesify.options import Perturbation, Sampling
 
 __all__ = ["Fold", "Rank1Affine"]
@@ -140,7 +141,7 @@ class Rank1Affine(Rank1Layer):
         return self.rank1_known_forwards
 
     def rank1_fold(self) -> Fold | None:
-        """How this layer runs with a given weight (for :func:`~bayesify.layers.rank1_op.rank1_folded`),
+        """How this layer runs with a given weight (for :func:`~bayesify.layers.folded.rank1_folded`),
         or None when it cannot (a subclass's own forward, e.g. weight standardisation)."""
         return None
 

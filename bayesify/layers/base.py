@@ -322,7 +322,7 @@ class ConvertedLayer(nn.Module):
         ``"out_proj.bias"``), such that the original module holding these values computes exactly
         what this layer computes under ``bayesify.mode(model, component=component, noise=False)``.
         It reads the layer and changes nothing. For the multiplicative perturbation, usually
-        ``W' = W o (r_k s_k^T)`` (:func:`~bayesify.layers.rank1_op.fold_weight`) and ``b' = b + delta_k``.
+        ``W' = W o (r_k s_k^T)`` (:func:`~bayesify.layers.folded.fold_weight`) and ``b' = b + delta_k``.
 
         Raises:
             ValueError: the member cannot be held by the original parameters (say why), e.g. an

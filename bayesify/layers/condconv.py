@@ -17,7 +17,8 @@ from torch import Tensor
 
 from bayesify.config import Rank1Config
 from bayesify.layers.base import Rank1Layer
-from bayesify.layers.rank1_op import fold_weight, rank1_affine
+from bayesify.layers.folded import fold_weight
+from bayesify.layers.rank1_op import rank1_affine
 from bayesify.options import Perturbation
 
 __all__ = ["Rank1CondConv2d"]

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bayesify.layers.affine import Fold, Rank1Affine
-from bayesify.layers.rank1_op import KnownMap, fold_weight
+from bayesify.layers.folded import fold_weight
+from bayesify.layers.rank1_op import KnownMap
 
 __all__ = ["Rank1Conv", "Rank1ConvTranspose"]
 

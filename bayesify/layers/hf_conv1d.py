@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from bayesify.layers.affine import Fold, Rank1Affine
-from bayesify.layers.rank1_op import KnownMap, fold_weight
+from bayesify.layers.folded import fold_weight
+from bayesify.layers.rank1_op import KnownMap
 
 __all__ = ["Rank1HFConv1D"]
 

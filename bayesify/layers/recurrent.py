@@ -46,7 +46,8 @@ from torch.utils._pytree import tree_flatten
 from bayesify.config import Rank1Config
 from bayesify.layers._scan import RecurrentScan, row_positions
 from bayesify.layers.base import Rank1Layer
-from bayesify.layers.rank1_op import fold_weight, rank1_affine
+from bayesify.layers.folded import fold_weight
+from bayesify.layers.rank1_op import rank1_affine
 from bayesify.options import Perturbation
 
 __all__ = ["Rank1RNN", "Rank1RNNCell"]

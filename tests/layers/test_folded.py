@@ -18,7 +18,7 @@ from torch import nn
 
 import bayesify
 from tests._rank1 import perturb
-from bayesify.layers.rank1_op import fold_weight, rank1_folded
+from bayesify.layers.folded import fold_weight, rank1_folded
 
 DT = torch.float64
 K = 3

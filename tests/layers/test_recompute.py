@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import bayesify
 from bayesify.layers import rank1_op
-from bayesify.layers.rank1_op import fold_weight
+from bayesify.layers.folded import fold_weight
 from benchmarks.overhead import HeldBytes
 
 K = 4
@@ -119,14 +119,14 @@ def test_the_per_row_path_holds_no_scaled_input() -> None:
 def test_the_fold_holds_no_weight_sized_intermediate(monkeypatch: pytest.MonkeyPatch) -> None:
     # fold_weight is one autograd node keeping W, r and s; the same maths through autograd keeps the
     # weight-sized outer product r s^T (a Linear's) of every block for the backward pass
-    from bayesify.layers import rank1_op
+    from bayesify.layers import folded
 
     torch.manual_seed(0)
     layers = [nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)]
     model = bayesify.convert(nn.Sequential(*layers).double(), components=K, sampling="component").train()
     x = torch.randn(8, 64, dtype=torch.float64)
     one_node = _held(model, x, plain=False)
-    monkeypatch.setattr(rank1_op._FoldWeights, "apply", lambda w, rows, columns, groups: rank1_op._fold(w, rows, columns, groups))
+    monkeypatch.setattr(folded._FoldWeights, "apply", lambda w, rows, columns, groups: folded._fold(w, rows, columns, groups))
     chained = _held(model, x, plain=False)
     assert chained - one_node >= K * (64 * 256 + 256 * 256 + 256 * 4) * 8
 
@@ -212,7 +212,7 @@ def test_a_core_that_changes_its_input_in_place_keeps_what_it_saved() -> None:
 
 def test_fold_weight_with_factors_of_another_dtype() -> None:
     # the weight in float64, the factors in float32: the same gradients as the plain maths through autograd
-    from bayesify.layers.rank1_op import _fold
+    from bayesify.layers.folded import _fold
 
     torch.manual_seed(0)
     w = torch.randn(6, 2, 3, dtype=torch.float64, requires_grad=True)
