@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -112,6 +113,7 @@ class Router:
     state: ForwardState | None = None
     active: bool = False  # inside the root's forward
     handles: list[RemovableHandle] = field(default_factory=list)
+    root_ref: Any = None  # weakref.ref to the root (attach sets it; each pass renews it)
     draws: ModelDraws | None = None  # the model's groups of tables and how each pass draws them (set by convert)
     # the tiled routes' row indices by (members, rows each, device): the same for every batch of a size, so made once
     # (five ops a pass, a tenth of a small model's evaluation)
@@ -122,7 +124,13 @@ class Router:
         # it holds the tracer's fake tensors, which cannot be copied (copy.deepcopy, bayesify.merge)
         state = dict(self.__dict__)
         state["state"], state["active"], state["tiled_rows"] = None, False, {}
+        state["root_ref"] = None  # a weak reference (not picklable); the copy's root sets it again in its next pass
         return state
+
+    @property
+    def root(self) -> nn.Module | None:
+        """The converted root this router routes (None before its first pass after a copy)."""
+        return None if self.root_ref is None else self.root_ref()
 
     def __post_init__(self) -> None:
         if self.draws is None:
@@ -237,17 +245,27 @@ class Router:
                 return Routing(torch.zeros(0, dtype=torch.long, device=device), noise=spec.noise)
             rows, blocks, components = _ordered_blocks(self.components, n, device)
             return Routing(rows, blocks, components, tuple(range(len(blocks))), noise=spec.noise)
-        name = type(layer).__name__ if layer is not None else "a layer"
         why = "evaluation's mixture reduces the members' outputs" if spec.route is Route.MIXTURE else "route='tile' tiles the inputs"
         raise RuntimeError(
-            f"{name} was called outside the forward pass of its converted model, and {why} in that pass only; call "
-            "the whole model, or make the call inside `with bayesify.mode(model, component=k):` (member k, k < "
-            f"{self.components}; noise=False for its posterior mean)."
+            f"{self._called(layer)} was called outside the forward pass of its converted model ({type(self.root).__name__ if self.root is not None else 'its root'}), "
+            f"and {why} in that pass only; call the whole model, or make the call inside `with bayesify.mode(model, "
+            f"component=k):` (member k, k < {self.components}; noise=False for its posterior mean). Code that calls a part "
+            "itself (timm's forward_features, a Hugging Face encoder-decoder's generate) needs that mode too."
         )
+
+    def _called(self, layer: nn.Module | None) -> str:
+        """``layer``'s class and its name in the root (for an error message)."""
+        if layer is None:
+            return "a converted layer"
+        root = self.root
+        name = None if root is None else next((n for n, m in root.named_modules() if m is layer), None)
+        return f"{type(layer).__name__} {name!r}" if name else type(layer).__name__
 
     # ---- hooks on the root module ------------------------------------------------------------
 
     def begin(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not torch.compiler.is_compiling() and (self.root_ref is None or self.root_ref() is not module):
+            self.root_ref = weakref.ref(module)
         spec = self.resolve(module.training)
         if args and is_example_list(args[0]):
             return self._begin_list(module, spec, args, kwargs)
@@ -479,6 +497,7 @@ def attach(root: nn.Module, router: Router, *, root_layout: bool = False) -> Non
     (the layer contract's ``rank1_batch_axis``, ``rank1_input_axes``, ``rank1_output_axes``).
     """
     router.root_layout = root_layout
+    router.root_ref = weakref.ref(root)
     root._rank1_router = router
     router.handles = [
         root.register_forward_pre_hook(_pre_hook, with_kwargs=True),

@@ -389,3 +389,30 @@ def test_a_deep_copy_of_a_converted_model_owns_its_factors() -> None:
     torch.testing.assert_close(_evaluate(copied, x), _evaluate(model, x))
     copied.fc.rank1_s.loc.data.mul_(2.0)
     assert not torch.equal(_evaluate(copied, x), _evaluate(model, x))
+
+
+def test_a_layer_copied_out_of_its_model_stays_in_that_model() -> None:
+    """peft's ``modules_to_save`` (and any "copy the head" code) deep-copies one converted layer and calls the copy
+    inside the model's forward: the copy keeps the model's routing and ``mode()``; a copy of the whole model gets
+    its own."""
+    model = _resnet().eval()
+    x, _ = _batch(3)
+    head = copy.deepcopy(model.fc)
+    assert head.rank1_state.router is model.fc.rank1_state.router
+    members = _members(model, x)
+    model.fc = head  # what peft's wrapper does: the copy runs in the model's pass
+    torch.testing.assert_close(_members(model, x), members)
+    with bayesify.mode(model, component=2, noise=False), torch.no_grad():
+        torch.testing.assert_close(model.fc(model.forward_head(model.forward_features(x), pre_logits=True)), members[2])
+    twin = copy.deepcopy(model)
+    assert twin.fc.rank1_state.router is twin._rank1_router is not model._rank1_router
+    with bayesify.mode(twin, route="tile", noise=False), torch.no_grad():
+        torch.testing.assert_close(twin(x).view(K, 3, -1), members)
+
+
+def test_the_error_of_a_sub_module_call_names_the_layer_and_the_model() -> None:
+    model = _resnet().eval()
+    model(_batch(2)[0])  # (the router learns its root in a pass; convert sets it too)
+    with pytest.raises(RuntimeError, match=r"Rank1Conv2d 'conv1' was called outside the forward pass of its converted model \(ResNet\)"):
+        with torch.no_grad():
+            model.forward_features(_batch(2)[0])

@@ -34,6 +34,7 @@ Per-layer state lives in one object, :class:`LayerState` (``layer.rank1_state``)
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -98,6 +99,19 @@ class LayerState:
         state = dict(self.__dict__)
         state["cache"] = None  # draws of the last forward pass are not state
         return state
+
+    def __deepcopy__(self, memo: dict) -> "LayerState":
+        # a layer copied out of its model on its own (peft's modules_to_save, copy.deepcopy(model.head)) stays in
+        # that model: it keeps the model's router, so the model's passes and mode() route it as every other layer.
+        # Copied with its model (the root is being copied: deepcopy puts it in the memo before its state), it takes
+        # the copied router, as every other layer of the copy does.
+        root = self.router.root
+        alone = id(self.router) not in memo and root is not None and id(root) not in memo
+        new = LayerState.__new__(LayerState)
+        memo[id(self)] = new
+        for name, value in self.__getstate__().items():
+            new.__dict__[name] = value if name == "router" and alone else copy.deepcopy(value, memo)
+        return new
 
 
 @dataclass(frozen=True)
