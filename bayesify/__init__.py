@@ -21,7 +21,7 @@ from bayesify.predictive.tasks import Task
 from bayesify.uncertainty import uncertainty
 from bayesify.variational import Rank1Factor
 
-__version__ = "0.3.0"
+__version__ = "0.4.0.dev0"
 
 __all__ = [
     "ConvertedLayer",
