@@ -38,6 +38,36 @@ def _positive(name: str, value: float, fix: str) -> float:
     return float(value)
 
 
+class Rank1Options(typing.TypedDict, total=False):
+    """The conversion options as keyword arguments, for type checkers and IDEs: ``convert(model, **options)``.
+
+    The fields of :class:`Rank1Config` (its field ``help`` says what each means), in its order; an option
+    string is accepted where the field is an option enum. ``tests/test_config_fields.py`` holds the two equal.
+    """
+
+    components: int
+    prior: Prior | str
+    prior_mean: float | None
+    prior_std: float | None
+    posterior: Posterior | str
+    perturbation: Perturbation | str
+    init: Init | str
+    init_sign_p: float
+    init_mean_std: float
+    init_dropout: float | None
+    init_std: float | None
+    init_jitter: float
+    clip: float | None
+    batch_dim: int
+    eval_noise: bool
+    sampling: Sampling | str
+    task: TaskName | Task | str | Any
+    class_axis: int | None
+    gaussian_variance: VarianceParameter | str
+    embeddings: bool
+    embedding_prior_std: float
+
+
 @dataclass(frozen=True)
 class Rank1Config:
     """Options of :func:`bayesify.convert`; each field's ``help`` says what it means.

@@ -15,12 +15,12 @@ import inspect
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Unpack
 
 from torch import nn
 
 from bayesify import _router, _weight_decay
-from bayesify.config import Rank1Config, options_doc
+from bayesify.config import Rank1Config, Rank1Options, options_doc
 from bayesify.inspection import NORM_LAYERS, inside, rank1_layers
 from bayesify.layers.attention import Rank1MultiheadAttention
 from bayesify.layers.base import ConvertedLayer, Rank1Layer
@@ -175,7 +175,7 @@ def convert(
     include: str | Iterable[str] | None = None,
     exclude: str | Iterable[str] | None = None,
     mapping: Mapping[type[nn.Module], type[ConvertedLayer]] | None = None,
-    **options: Any,
+    **options: Unpack[Rank1Options],
 ) -> nn.Module:
     """Make ``model`` a rank-1 Bayesian neural net, in place, and return it.
 

@@ -70,3 +70,18 @@ def test_unknown_options_are_named() -> None:
 
     with pytest.raises(TypeError, match=r"unknown conversion option\(s\) \['prior_sd'\]; the options are: components"):
         bayesify.convert(nn.Linear(2, 2), prior_sd=0.1)
+
+
+def test_convert_states_every_option_for_type_checkers() -> None:
+    """``convert(model, **options: Unpack[Rank1Options])``: the TypedDict lists Rank1Config's fields, in order, each
+    with the field's type (an option enum also as a string), so IDEs and type checkers see every option."""
+    from bayesify.config import Rank1Options
+
+    assert list(Rank1Options.__annotations__) == [f.name for f in FIELDS]
+    assert not Rank1Options.__total__
+    hints = typing.get_type_hints(Rank1Options)
+    for f in FIELDS:
+        field_type, stated = HINTS[f.name], hints[f.name]
+        wanted = set(typing.get_args(field_type) or (field_type,))
+        assert wanted <= set(typing.get_args(stated) or (stated,)), f"{f.name}: {stated} does not take {field_type}"
+    assert "Unpack[Rank1Options]" in str(inspect.get_annotations(bayesify.convert)["options"])
