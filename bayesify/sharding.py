@@ -22,7 +22,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 def whole(value: torch.Tensor) -> torch.Tensor:
     """``value`` in full on every rank: a sharded Parameter (``DTensor``) gathered, a partial sum over shards
-    (``p.pow(2).sum()`` of one, or the KL of a sharded store) summed over the ranks; a plain tensor as it is.
+    (``p.pow(2).sum()`` of one) summed over the ranks; a plain tensor as it is.
     Autograd-aware: the backward leaves each rank the gradient of its own shard (nothing to average), as for a
     full Parameter."""
     if dist.is_available() and dist.is_initialized():
