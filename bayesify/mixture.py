@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["logmeanexp", "split_members", "tile"]
+__all__ = ["logmeanexp", "row_shape", "split_members", "tile"]
 
 
 def logmeanexp(x: Tensor, dim: int = 0) -> Tensor:
@@ -39,3 +39,15 @@ def split_members(t: Tensor, members: int, axis: int = 0) -> Tensor:
         return t.reshape(members, t.shape[0] // members, *t.shape[1:])
     t = t.movedim(axis, 0)
     return t.reshape(members, t.shape[0] // members, *t.shape[1:]).movedim(1, axis + 1)
+
+
+def row_shape(rows: int | None, features: int, ndim: int, batch_axis: int | None, channel_axis: int) -> tuple[int, ...]:
+    """The shape in which ``[rows, features]`` per-row values (a factor's draw, a bias offset) broadcast against an
+    ``ndim``-d activation with its batch at ``batch_axis`` (None, or ``rows`` None: one value for all rows) and its
+    channels at ``channel_axis``: ``[rows, features, 1, 1]`` for a 2-d convolution's input, ``[rows, 1, features]``
+    for a sequence's. The one statement of that rule (the layers, the per-row op and the draws use it)."""
+    shape = [1] * ndim
+    if batch_axis is not None and rows is not None:
+        shape[batch_axis] = rows
+    shape[channel_axis % ndim] = features
+    return tuple(shape)

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from bayesify import kernels
+from bayesify.mixture import row_shape
 from bayesify.layers._recompute import recomputing
 
 __all__ = ["KnownMap", "broadcast_rows", "rank1_affine", "with_bias"]
@@ -56,13 +57,9 @@ class KnownMap:
 def broadcast_rows(v: Tensor, ndim: int, batch_axis: int | None, channel_axis: int) -> Tensor:
     """``[m, C]`` per-row values (``m`` rows, or 1 for all) as a tensor broadcastable against an
     ``ndim``-d activation with its batch at ``batch_axis`` (None: unbatched) and channels at ``channel_axis``."""
-    shape = [1] * ndim
     if batch_axis is None:
         v = v[0]
-    else:
-        shape[batch_axis] = v.shape[0]
-    shape[channel_axis % ndim] = v.shape[-1]
-    return v.reshape(shape)
+    return v.reshape(row_shape(v.shape[0] if v.dim() > 1 else None, v.shape[-1], ndim, batch_axis, channel_axis))
 
 
 def rank1_affine(
@@ -167,13 +164,10 @@ def _row_shape(v: Tensor, ndim: int, batch_axis: int | None, channel_axis: int) 
     which they are when they come in that shape from the draw ahead)."""
     if v.dim() == ndim and ndim != 2:
         return None
-    shape = [1] * ndim
-    if batch_axis is not None:
-        shape[batch_axis] = v.shape[0]
-    shape[channel_axis % ndim] = v.shape[-1]
+    shape = row_shape(v.shape[0], v.shape[-1], ndim, batch_axis, channel_axis)
     if batch_axis is None:
-        return tuple(shape)
-    return None if tuple(shape) == tuple(v.shape) else tuple(shape)
+        return shape
+    return None if shape == tuple(v.shape) else shape
 
 
 def _grad_wanted(*tensors: Tensor | None) -> bool:

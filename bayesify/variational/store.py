@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bayesify.mixture import row_shape
 from bayesify.options import Posterior
 from bayesify.variational import distributions
 
@@ -215,10 +216,9 @@ class TableGroup:
         axis = 1
         if like is not None:
             ndim, batch_axis, channel_axis = like
-            shape = [1] * ndim
-            shape[batch_axis], shape[channel_axis] = value.shape
+            shape = row_shape(value.shape[0], value.shape[1], ndim, batch_axis, channel_axis)
             axis = channel_axis
-            if tuple(shape) != tuple(value.shape):  # (a view to the same shape is still an op)
+            if shape != tuple(value.shape):  # (a view to the same shape is still an op)
                 value = value.view(shape)
         pieces = value.split([self.sizes[i] for i in slots], axis) if len(slots) > 1 else (value,)
         return dict(zip(slots, pieces))
