@@ -15,7 +15,7 @@ import inspect
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterable, Mapping, Unpack
+from typing import Iterable, Mapping, Unpack
 
 from torch import nn
 

@@ -250,7 +250,7 @@ def test_functional_call_with_the_factors_uses_them() -> None:
 
 def test_an_ema_written_through_data_is_evaluated_as_it_is() -> None:
     model, ema = _resnet(), _resnet()
-    x, y = _batch()
+    x, _ = _batch()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(3):
         _adam_steps(model, optimizer, steps=1)
@@ -413,6 +413,5 @@ def test_a_layer_copied_out_of_its_model_stays_in_that_model() -> None:
 def test_the_error_of_a_sub_module_call_names_the_layer_and_the_model() -> None:
     model = _resnet().eval()
     model(_batch(2)[0])  # (the router learns its root in a pass; convert sets it too)
-    with pytest.raises(RuntimeError, match=r"Rank1Conv2d 'conv1' was called outside the forward pass of its converted model \(ResNet\)"):
-        with torch.no_grad():
-            model.forward_features(_batch(2)[0])
+    with pytest.raises(RuntimeError, match=r"Rank1Conv2d 'conv1' was called outside the forward pass of its converted model \(ResNet\)"), torch.no_grad():
+        model.forward_features(_batch(2)[0])

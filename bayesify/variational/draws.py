@@ -92,9 +92,8 @@ class ModelDraws:
                 continue
             components = draws.components(kind)
             for group in self.groups:
-                if not (noise and group.sampled):
-                    if kind == BLOCKS:
-                        continue  # no random numbers to keep in step: gathered when a layer asks (_full)
+                if kind == BLOCKS and not (noise and group.sampled):
+                    continue  # no random numbers to keep in step: gathered when a layer asks (_full)
                 loc = self._joined(draws, group, "loc")
                 if loc is None:  # not joined this pass: only the random numbers now (the module doc)
                     if noise and group.sampled:

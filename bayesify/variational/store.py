@@ -158,9 +158,9 @@ class TableGroup:
         tables' values of that pass only: an optimizer step, a cast, ``load_state_dict`` or a new ``.data``
         makes it join anew."""
         kept = self.__dict__.get("_pass", {}).get(name)
-        if kept is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            if kept[0] == _identity(self.tables(name)):
-                return kept[1]
+        fresh = kept is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if fresh and kept[0] == _identity(self.tables(name)):
+            return kept[1]
         return self.joined(name)
 
     def draw_all(self, loc: Tensor, components: Tensor | None, noise: bool, scale: Tensor | None = None) -> Tensor:

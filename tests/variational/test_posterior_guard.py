@@ -183,8 +183,8 @@ def test_reparameterisation_gradient_flows_through_the_noise_used(sampling: str)
             want_rho = torch.zeros(K, D).index_add_(0, k, g * e) * torch.sigmoid(rho)
             got_loc, got_rho = _grad(f, "loc"), _grad(f, "rho")
             assert got_loc is not None and got_rho is not None, f"layer {name}: no gradient for loc / rho"
-            torch.testing.assert_close(got_loc, want_loc, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} loc, pass {step}: {m}")
-            torch.testing.assert_close(got_rho, want_rho, rtol=1e-3, atol=1e-4, msg=lambda m: f"{name} rho, pass {step}: {m}")
+            torch.testing.assert_close(got_loc, want_loc, rtol=1e-4, atol=1e-4, msg=lambda m, name=name, step=step: f"{name} loc, pass {step}: {m}")
+            torch.testing.assert_close(got_rho, want_rho, rtol=1e-3, atol=1e-4, msg=lambda m, name=name, step=step: f"{name} rho, pass {step}: {m}")
 
 
 def test_kl_loss_is_the_closed_form_normal_kl_with_its_gradient() -> None:
