@@ -60,9 +60,9 @@ def test_a_language_model_is_trained_on_next_tokens_in_every_route() -> None:
 # GPT-2 (2 layers) 3.12 / 3.14 / 1.96. Release 0.3's flat store on the root reached 1.60 / 1.59 / 1.68, 1.32 / 1.32 /
 # 1.51, 1.45 / 1.53 / 1.40, by breaking the module contract (issue 26). Release 0.4 gives every layer its own
 # Parameters again: the optimizer's for-loop (torch's default on the CPU; SGD with momentum: 3 ops a Parameter) and
-# autograd's hand-over of each gradient (a detach) cost ~4 ops per rank-1 Parameter, 85 of them in ResNet-18: +340.
+# autograd's hand-over of each gradient (a detach) cost 4 ops per rank-1 Parameter, 82 more than 0.3's in ResNet-18: +328.
 # With the optimizer's foreach kernels (torch's default on a GPU) ResNet-18's step is 662 ops against 297 (2.23x; 0.3:
-# 576, of which the difference is 85 detaches, views that launch nothing). Evaluation at the means folds the members'
+# 576: 82 detaches, views that launch nothing, and the groups' 4 joins). Evaluation at the means folds the members'
 # weights on every call instead of keeping them (+11 ops for ResNet-18). Each bound sits about 1% above its figure.
 OP_BOUNDS = {  # spec: (default route, tiled route, mixture evaluation)
     "resnet18:32": (2.32, 2.31, 1.82),  # measured 2.292 / 2.283 / 1.800 (1100, 1096, 162 against 480, 480, 90)
