@@ -12,7 +12,6 @@ import torch
 from torch import Tensor, nn
 
 from bayesify.inspection import rank1_layers
-from bayesify.sharding import whole
 from bayesify.variational.divergence import total_kl
 
 __all__ = ["kl_divergence", "kl_loss"]
@@ -39,9 +38,7 @@ def kl_divergence(model: nn.Module) -> Tensor:
     if total is None:  # only delta posteriors (BatchEnsemble)
         first = next((p for layer in layers for p in layer.rank1_parameters()), None)
         return torch.zeros(()) if first is None else first.new_zeros(())
-    # a sharded model's tables are summed over the ranks in total_kl; whole() gathers what a family's own
-    # terms may leave sharded, so the KL is counted once in all (see bayesify/training/fsdp.py)
-    return whole(total)
+    return total  # (a sharded model's tables are summed over the ranks in total_kl: counted once in all)
 
 
 def kl_loss(model: nn.Module, num_train: int, *, step: int | None = None, warmup_steps: int = 0) -> Tensor:

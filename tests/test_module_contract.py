@@ -259,7 +259,7 @@ def test_an_ema_written_through_data_is_evaluated_as_it_is() -> None:
         torch.testing.assert_close(_evaluate(ema, x), _evaluate(_fresh_copy(ema), x))
 
 
-def test_a_training_step_after_a_data_write_draws_the_written_values() -> None:
+def test_the_kl_after_a_data_write_sees_the_written_values() -> None:
     model = _resnet()
     x, y = _batch()
     model.train()

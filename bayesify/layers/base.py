@@ -162,15 +162,8 @@ class Draw:
         values = self._blocks(factors)
         return values[0] if len(factors) == 1 else values
 
-    def _every_mean(self, table: Tensor) -> bool:
-        # one block per component in order, at the posterior means: the [K, F] table itself is the value per block
-        fixed = self.fixed_components
-        return not self.noise and fixed is not None and len(fixed) == table.shape[0] and fixed == tuple(range(len(fixed)))
-
     def _blocks(self, factors: tuple[Rank1Factor, ...]) -> list[Tensor]:
         assert self.block_components is not None, "per-block samples need blocked rows"
-        if all(self._every_mean(f.loc) for f in factors):
-            return [f.loc for f in factors]  # the layer's own tables: no op
         values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], "blocks")
         return sample_factors(factors, self.block_components, self.noise) if values is None else values
 
@@ -186,9 +179,6 @@ class Draw:
     def gather_blocks(self, table: Tensor | str) -> Tensor | None:
         """Row ``k`` of a ``[K, ...]`` per-component table for each block (``table`` as for :meth:`gather`)."""
         assert self.block_components is not None, "gather_blocks() needs blocked rows"
-        own = getattr(self.layer, table) if isinstance(table, str) else table
-        if own is None or self._every_mean(own):
-            return own  # (None: no bias to offset)
         found = self._table(table, "blocks")
         if found is None or isinstance(found, _Drawn):
             return None if found is None else found.value

@@ -29,6 +29,7 @@ load pre-hook, which also refuses a checkpoint of another number of components i
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
@@ -67,6 +68,7 @@ def _identity(tables: Sequence[Tensor | None]) -> tuple:
     return tuple((id(t), t._version, t.data_ptr(), t.dtype) if t is not None else None for t in tables)
 
 
+@functools.cache
 def _dtensor_type() -> type | None:
     if not torch.distributed.is_available():
         return None
@@ -183,7 +185,7 @@ class TableGroup:
         """The random numbers :meth:`draw_all` would take for ``rows`` values of every table, ``[rows, total]``,
         drawn alone: for a pass whose tables cannot be joined (FSDP2 shards them until each block's forward),
         so that each layer's values (:meth:`draw_one`) are the very ones a joined draw would give."""
-        first = self.tables("loc")[0]
+        first = self._tensor(0, "loc")
         if not self.sampled or first is None:
             return None
         like = torch.empty((rows, sum(self.sizes)), dtype=first.dtype, device=first.device)
