@@ -29,7 +29,6 @@ load pre-hook, which also refuses a checkpoint of another number of components i
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
@@ -68,8 +67,7 @@ def _identity(tables: Sequence[Tensor | None]) -> tuple:
     return tuple((id(t), t._version, t.data_ptr(), t.dtype) if t is not None else None for t in tables)
 
 
-@functools.cache
-def _dtensor_type() -> type | None:
+def _dtensor_type() -> type | None:  # (no functools.cache: torch.compile warns on traced lru_cache calls)
     if not torch.distributed.is_available():
         return None
     from torch.distributed.tensor import DTensor
