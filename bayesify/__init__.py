@@ -8,13 +8,14 @@ References:
 """
 
 from bayesify.adapter import freeze_base
-from bayesify.config import Rank1Config
+from bayesify.config import LayerOptions, ModelOptions, Rank1Config
 from bayesify.convert import convert, default_mapping, revert
 from bayesify.inspection import is_converted, num_components, rank1_layers, rank1_parameters
 from bayesify.kl import kl_divergence, kl_loss
 from bayesify.layers import ConvertedLayer, Rank1Layer
 from bayesify.merge import merge
 from bayesify.mode import mode, predict
+from bayesify.model_state import ModelState
 from bayesify.options import Init, Perturbation, Posterior, Prior, Route
 from bayesify.summary import Summary, summary
 from bayesify.predictive.tasks import Task
@@ -26,6 +27,9 @@ __version__ = "0.4.0.dev0"
 __all__ = [
     "ConvertedLayer",
     "Init",
+    "LayerOptions",
+    "ModelOptions",
+    "ModelState",
     "Perturbation",
     "Posterior",
     "Prior",

@@ -1,7 +1,7 @@
 """Per-forward routing of batch rows to mixture components: the :class:`Router` of a converted model.
 
-A converted model owns one :class:`Router`, shared by all of its converted layers, attached to
-the model's root module by two hooks that run around each forward pass:
+A converted model's state (:class:`~bayesify.model_state.ModelState`, on its root) holds one :class:`Router`,
+asked by the two hooks that run around each forward pass of the root and by every converted layer:
 
 * before it, the router resolves the route (training: one random component per example;
   evaluation: every example through every component, the mixture predictive; or what ``mode()``
@@ -11,12 +11,14 @@ the model's root module by two hooks that run around each forward pass:
 * after it, when the route asks for the mixture, the router hands the tiled output, with the batch axis of
   each leaf, to :func:`bayesify.predictive.outputs.reduce_output` (what each leaf means is the task's business).
 
-Layers ask :meth:`Router.rows_for` for the component of each row of *their* input, which also
-covers layers that fold extra axes into the batch (window attention: ``[B * windows, ...]``).
+Layers ask :meth:`Router.route` for the routing of *their* call (a :class:`~bayesify.variational.draws.Draw`: the
+component of each row of their input, which also covers layers that fold extra axes into the batch, window
+attention's ``[B * windows, ...]``; and the pass's draws to take their values from).
 
-The router keeps three things apart: the model's settings (its :class:`~bayesify.config.Rank1Config`),
-the ``mode()`` stack (:attr:`Router.overrides`), and the state of the forward pass in flight
-(:attr:`Router.state`). The member layout lives in :mod:`bayesify.mixture`.
+The router routes and nothing else: it reads the model's options (:class:`~bayesify.config.ModelOptions`, the
+model's one copy) and keeps the ``mode()`` stack (:attr:`Router.overrides`) and the routing of the forward pass
+in flight (:attr:`Router.state`). The factors' draws are ``variational/draws.py``'s, the member layout
+:mod:`bayesify.mixture`'s, what an output means the task's.
 
 A ``PackedSequence`` is one leaf: its batch is ``batch_sizes[0]`` sequences, tiled and reduced
 per sequence. A converted layer used as the model says where the batch lies in each leaf of
@@ -30,24 +32,21 @@ import functools
 import itertools
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.hooks import RemovableHandle
 
+from bayesify.config import ModelOptions
 from bayesify.mixture import split_members, tile
 from bayesify.options import Route, Sampling
 from bayesify.predictive.outputs import is_packed, reduce_output
-from bayesify.predictive.tasks import Auto, Task
-from bayesify.variational.draws import ModelDraws, PassDraws
+from bayesify.predictive.tasks import Task
+from bayesify.variational.draws import Block, Draw, PassDraws
 
-if TYPE_CHECKING:
-    from bayesify.config import Rank1Config
-
-__all__ = ["ForwardState", "RouteSpec", "Router", "attach", "detach", "find_root", "find_router", "is_root"]
+__all__ = ["ForwardState", "RouteSpec", "Router", "is_example_list", "member_rows"]
 
 
 @dataclass(frozen=True)
@@ -61,28 +60,20 @@ class RouteSpec:
     component: int | None = None
 
 
-Block = tuple[int, int]
-"""``(start, stop)``: rows ``start:stop`` of a batch all go through one component.
-
-Only the boundaries are Python numbers; which component a block goes through is a tensor
-(``block_components``), so that a random order of the components needs no ``.tolist()`` (a graph
-break under ``torch.compile``) and an exported graph keeps it symbolic."""
-
-
-@dataclass
+@dataclass(kw_only=True)
 class ForwardState:
     """The routing of the forward pass in flight (kept after it for a backward pass that recomputes it)."""
 
     spec: RouteSpec
     rows: Tensor  # component of every row of the routed batch
-    blocks: tuple[Block, ...] | None  # the rows as contiguous runs of one component each (None: no such runs)
-    block_components: Tensor | None  # [len(blocks)] the component of each block, on the rows' device
+    blocks: tuple[Block, ...] | None = None  # the rows as contiguous runs of one component each (None: no such runs)
+    block_components: Tensor | None = None  # [len(blocks)] the component of each block, on the rows' device
+    fixed_components: tuple[int, ...] | None = None  # the blocks' components when the route fixes them (not sampled)
     batch: int  # examples in the batch as given
     axis: int | None  # batch axis of the inputs (None: one unbatched example)
-    members: int  # copies of each example in the routed batch (K * samples when tiled, else 1)
+    members: int = 1  # copies of each example in the routed batch (K * samples when tiled, else 1)
     inputs: dict = field(default_factory=dict)  # the call's keyword arguments as given (a task may read them)
-    fixed_components: tuple[int, ...] | None = None  # the blocks' components when the route fixes them (not sampled)
-    draws: PassDraws | None = None  # the factors drawn for this pass (variational/draws.py)
+    draws: PassDraws | None = None  # the factors drawn for this pass (the model state sets it: variational/draws.py)
 
     @property
     def signature(self) -> tuple:
@@ -90,31 +81,16 @@ class ForwardState:
         return (self.spec.route, self.spec.noise, self.spec.samples, self.blocks is None, self.rows.shape[0])
 
 
-class Routing(NamedTuple):
-    """How the rows of one layer call are routed (see :meth:`Router.rows_for`)."""
-
-    rows: Tensor  # [n] component of each row
-    blocks: tuple[Block, ...] | None = None  # contiguous runs of one component, when the rows run so
-    block_components: Tensor | None = None  # [len(blocks)] their components, on the rows' device
-    fixed_components: tuple[int, ...] | None = None  # the same as Python ints, when the route fixes them
-    forward: ForwardState | None = None  # the routed pass these rows belong to (its draws), if any
-    repeat: int = 1  # rows of this call per routed row: 1 the same rows, f > 1 each repeated f times, 0 the first only
-    noise: bool = True  # whether the call samples its factors
-
-
 @dataclass
 class Router:
     """Routes the rows of every forward pass of one converted model (see the module doc)."""
 
-    config: Rank1Config
-    task: Task = field(default_factory=Auto)  # what the root's output means (Auto: nobody said; predictive/tasks.py)
+    options: ModelOptions  # the model's one copy (its ModelState's)
     root_layout: bool = False  # the root is a converted layer that states the batch axes of its inputs and outputs
     overrides: list[RouteSpec] = field(default_factory=list)  # the mode() stack: the last one is in force
     state: ForwardState | None = None
     active: bool = False  # inside the root's forward
-    handles: list[RemovableHandle] = field(default_factory=list)
-    root_ref: Any = None  # weakref.ref to the root (attach sets it; each pass renews it)
-    draws: ModelDraws | None = None  # the model's groups of tables and how each pass draws them (set by convert)
+    root_ref: Any = None  # weakref.ref to the root (bind sets it; each pass renews it)
     # the tiled routes' row indices by (members, rows each, device): the same for every batch of a size, so made once
     # (five ops a pass, a tenth of a small model's evaluation)
     tiled_rows: dict = field(default_factory=dict)
@@ -132,13 +108,10 @@ class Router:
         """The converted root this router routes (None before its first pass after a copy)."""
         return None if self.root_ref is None else self.root_ref()
 
-    def __post_init__(self) -> None:
-        if self.draws is None:
-            self.draws = ModelDraws(self.config.components)
-
-    def _draw(self, state: ForwardState) -> None:
-        """The factors' draws of the pass ``state`` routes (:meth:`ModelDraws.begin`)."""
-        state.draws = self.draws.begin(state.spec.noise, state.rows, state.block_components, state.fixed_components, state.signature)
+    def bind(self, root: nn.Module, *, root_layout: bool = False) -> None:
+        """Route ``root``'s passes (``root_layout``: the root is a converted layer stating its batch axes)."""
+        self.root_layout = root_layout
+        self.root_ref = weakref.ref(root)
 
     def _member_rows(self, members: int, rows_each: int, device: torch.device) -> Tensor:
         """:func:`member_rows`, kept for the next pass alike (not in a traced graph, whose sizes may be symbolic)."""
@@ -154,24 +127,25 @@ class Router:
 
     @property
     def components(self) -> int:
-        return self.config.components
-
-    @property
-    def batch_dim(self) -> int:
-        return self.config.batch_dim
-
+        return self.options.components
 
     def resolve(self, training: bool) -> RouteSpec:
+        """The route in force: the innermost ``mode()``'s, its unset fields the defaults (:meth:`default_noise`)."""
         spec = self.overrides[-1] if self.overrides else RouteSpec()
         if spec.route is None:
             spec = replace(spec, route=Route.SAMPLE if training else Route.MIXTURE)
         if spec.noise is None:
-            spec = replace(spec, noise=self.default_noise(training))
+            spec = replace(spec, noise=self.default_noise(training, spec.samples))
         return spec
 
-    def default_noise(self, training: bool) -> bool:
-        """Sample the factors unless told otherwise: always in training; in evaluation as ``eval_noise`` says."""
-        return True if training else self.config.eval_noise
+    def default_noise(self, training: bool, samples: int = 1) -> bool:
+        """Whether to sample the factors where no ``mode()`` says: what an enclosing ``mode()`` said; else always in
+        training, and in evaluation with several samples per component (M samples of one mean would be M copies),
+        else as ``eval_noise`` says. (The one place this default is decided: ``predict()`` asks it too.)"""
+        said = next((spec.noise for spec in reversed(self.overrides) if spec.noise is not None), None)
+        if said is not None:
+            return said
+        return True if training or samples > 1 else self.options.eval_noise
 
     @property
     def tiles(self) -> int:
@@ -198,33 +172,39 @@ class Router:
             return self.state.spec.noise
         return self.resolve(training).noise
 
-    def rows_for(self, n: int, device: torch.device, layer: nn.Module | None = None) -> Routing:
-        """The routing of the ``n`` rows of a layer's input: each row's component, and the rows as blocks
-        of one component each when they run so. ``layer`` is the one asking (its train / eval state and name
-        decide a call made outside the converted root's forward: :meth:`rows_outside`)."""
+    def route(self, n: int, device: torch.device, layer: nn.Module | None = None) -> Draw:
+        """The routing of a layer call on ``n`` rows (a :class:`~bayesify.variational.draws.Draw`): each row's
+        component, the rows as blocks of one component each when they run so, whether to sample, and the pass's
+        draws. ``layer`` is the one asking (its train / eval state and name decide a call made outside the
+        converted root's forward: :meth:`route_outside`)."""
         state = self.state
         if state is None or not self.live():
-            return self.rows_outside(n, device, layer)
-        noise = state.spec.noise
-        rows, blocks, components, total = state.rows, state.blocks, state.block_components, state.rows.shape[0]
-        fixed = state.fixed_components
+            return self.route_outside(n, device, layer)
+        per_block = self.options.sampling is Sampling.COMPONENT
+        common = dict(noise=state.spec.noise, per_block=per_block, layer=layer, draws=state.draws)
+        rows, blocks, components, fixed, total = state.rows, state.blocks, state.block_components, state.fixed_components, state.rows.shape[0]
         if total == 0:
             # an empty batch: its rows take the per-row path (no blocks, so no zero-row blocks to fold); a
             # batch-independent input still has rows, and with no example to follow they go through component 0
-            return Routing(rows if n == 0 else rows.new_zeros(n), noise=noise)
+            return Draw(rows=rows if n == 0 else rows.new_zeros(n), **{**common, "draws": None})
         if n == total:
-            return Routing(rows, blocks, components, fixed, state, noise=noise)
+            return Draw(rows=rows, blocks=blocks, block_components=components, fixed_components=fixed, **common)
         if n % total == 0:
             # extra axes folded into the batch, batch-major (e.g. windows): repeat each row's component
             factor = n // total
             scaled = None if blocks is None else tuple((a * factor, b * factor) for a, b in blocks)
-            return Routing(rows[:, None].expand(total, factor).reshape(-1), scaled, components, fixed, state, factor, noise)
+            return Draw(
+                rows=rows[:, None].expand(total, factor).reshape(-1), blocks=scaled, block_components=components,
+                fixed_components=fixed, repeat=factor, **common,
+            )  # fmt: skip
         # a batch-independent input (e.g. a table fed through an MLP): one component for the whole call
+        first = rows[:1].expand(n)
         if blocks is None:
-            return Routing(rows[:1].expand(n), forward=state, repeat=0, noise=noise)
-        return Routing(rows[:1].expand(n), ((0, n),), components[:1], None if fixed is None else fixed[:1], state, 0, noise)
+            return Draw(rows=first, first_only=True, **common)
+        fixed = None if fixed is None else fixed[:1]
+        return Draw(rows=first, blocks=((0, n),), block_components=components[:1], fixed_components=fixed, first_only=True, **common)
 
-    def rows_outside(self, n: int, device: torch.device, layer: nn.Module | None) -> Routing:
+    def route_outside(self, n: int, device: torch.device, layer: nn.Module | None) -> Draw:
         """A layer called outside the converted root's forward (a sub-module on its own: timm's
         ``forward_features``, a feature extractor, a Hugging Face ``base_model``, one layer). No pass routes its
         rows, so they follow rules every layer of the call applies alike, never a random choice per layer:
@@ -237,14 +217,15 @@ class Router:
         """
         training = True if layer is None else layer.training
         spec = self.resolve(training)
+        common = dict(noise=spec.noise, per_block=self.options.sampling is Sampling.COMPONENT, layer=layer)
         if spec.route is Route.COMPONENT:
             rows = torch.full((n,), spec.component, dtype=torch.long, device=device)
-            return Routing(rows, ((0, n),), rows[:1], (spec.component,), noise=spec.noise)
+            return Draw(rows=rows, blocks=((0, n),), block_components=rows[:1], fixed_components=(spec.component,), **common)
         if spec.route is Route.SAMPLE:
             if n == 0:
-                return Routing(torch.zeros(0, dtype=torch.long, device=device), noise=spec.noise)
+                return Draw(rows=torch.zeros(0, dtype=torch.long, device=device), **common)
             rows, blocks, components = _ordered_blocks(self.components, n, device)
-            return Routing(rows, blocks, components, tuple(range(len(blocks))), noise=spec.noise)
+            return Draw(rows=rows, blocks=blocks, block_components=components, fixed_components=tuple(range(len(blocks))), **common)
         why = "evaluation's mixture reduces the members' outputs" if spec.route is Route.MIXTURE else "route='tile' tiles the inputs"
         raise RuntimeError(
             f"{self._called(layer)} was called outside the forward pass of its converted model ({type(self.root).__name__ if self.root is not None else 'its root'}), "
@@ -261,7 +242,7 @@ class Router:
         name = None if root is None else next((n for n, m in root.named_modules() if m is layer), None)
         return f"{type(layer).__name__} {name!r}" if name else type(layer).__name__
 
-    # ---- hooks on the root module ------------------------------------------------------------
+    # ---- the root's forward pass (its model state's hooks call these) -------------------------
 
     def begin(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not torch.compiler.is_compiling() and (self.root_ref is None or self.root_ref() is not module):
@@ -279,7 +260,7 @@ class Router:
         # a converted layer used as the model knows its own layout (batch axis, or None if unbatched): the layer
         # contract's rank1_batch_axis / rank1_input_axes / rank1_output_axes
         layer = module if self.root_layout else None
-        axis = layer.rank1_batch_axis(first) if layer is not None else self.batch_dim
+        axis = layer.rank1_batch_axis(first) if layer is not None else self.options.batch_dim
         if axis is not None and isinstance(first, Tensor) and first.dim() <= axis:
             raise TypeError(
                 f"bayesify expects the batch at dimension {axis} of the model's first tensor input, which has "
@@ -291,17 +272,19 @@ class Router:
             batch, device = (1 if axis is None else first.shape[axis]), first.device
         self.active = True
         if spec.route is Route.SAMPLE:
-            if self.config.sampling is Sampling.EXAMPLE:  # the reference: a random component per example
+            if self.options.sampling is Sampling.EXAMPLE:  # the reference: a random component per example
                 rows = torch.randint(self.components, (batch,), device=device)
-                self.state = ForwardState(spec, rows, None, None, batch, axis, 1)
+                self.state = ForwardState(spec=spec, rows=rows, batch=batch, axis=axis)
             else:
-                self.state = ForwardState(spec, *_balanced_blocks(self.components, batch, device), batch, axis, 1)
-            self._draw(self.state)
+                rows, blocks, components = _balanced_blocks(self.components, batch, device)
+                self.state = ForwardState(spec=spec, rows=rows, blocks=blocks, block_components=components, batch=batch, axis=axis)
             return args, kwargs
         if spec.route is Route.COMPONENT:
             rows = torch.full((batch,), spec.component, dtype=torch.long, device=device)
-            self.state = ForwardState(spec, rows, ((0, batch),), rows[:1], batch, axis, 1, None, (spec.component,))
-            self._draw(self.state)
+            self.state = ForwardState(
+                spec=spec, rows=rows, blocks=((0, batch),), block_components=rows[:1], fixed_components=(spec.component,),
+                batch=batch, axis=axis,
+            )  # fmt: skip
             return args, kwargs
         # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B); one block per member
         members = self.components * spec.samples
@@ -309,8 +292,10 @@ class Router:
         blocks = tuple((i * batch, (i + 1) * batch) for i in range(members))
         components = self._member_rows(self.components, spec.samples, device)
         fixed = tuple(i // spec.samples for i in range(members))
-        self.state = ForwardState(spec, rows, blocks, components, batch, axis, members, kwargs, fixed)
-        self._draw(self.state)
+        self.state = ForwardState(
+            spec=spec, rows=rows, blocks=blocks, block_components=components, fixed_components=fixed, batch=batch,
+            axis=axis, members=members, inputs=kwargs,
+        )  # fmt: skip
 
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
         if axes is None:
@@ -348,11 +333,11 @@ class Router:
         component = spec.component if spec.route is Route.COMPONENT else int(torch.randint(self.components, ()))
         rows = torch.full((batch,), component, dtype=torch.long, device=device)
         self.active = True
-        self.state = ForwardState(spec, rows, ((0, batch),), rows[:1], batch, 0, 1)
-        self._draw(self.state)
+        self.state = ForwardState(spec=spec, rows=rows, blocks=((0, batch),), block_components=rows[:1], batch=batch, axis=0)
         return args, kwargs
 
-    def end(self, module: nn.Module, output: object) -> object:
+    def end(self, module: nn.Module, output: object, task: Task) -> object:
+        """After the root's forward: a mixture's tiled output reduced by the pass's task, else ``task`` (the model's)."""
         # rows stay in self.state for a backward pass that recomputes this forward (see live())
         self.active = False
         state = self.state
@@ -363,7 +348,7 @@ class Router:
             return output
         axes = self.output_axes(module, output, state.axis)
         return reduce_output(
-            module, output, state.spec.task or self.task, members=state.members, batch=state.batch, axis=state.axis,
+            module, output, state.spec.task or task, members=state.members, batch=state.batch, axis=state.axis,
             axes=axes, inputs=inputs,
         )  # fmt: skip
 
@@ -477,70 +462,3 @@ def _tile_packed(packed: PackedSequence, tiles: int) -> PackedSequence:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-# ---- attaching a router to the root --------------------------------------------------------------
-
-
-def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return module._rank1_router.begin(module, args, kwargs)
-
-
-def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
-    return module._rank1_router.end(module, output)
-
-
-def attach(root: nn.Module, router: Router, *, root_layout: bool = False) -> None:
-    """Install ``router`` on ``root`` (as ``root._rank1_router``) with the hooks that route each forward pass.
-
-    ``root_layout``: the root is a converted layer, which states where the batch lies in its inputs and outputs
-    (the layer contract's ``rank1_batch_axis``, ``rank1_input_axes``, ``rank1_output_axes``).
-    """
-    router.root_layout = root_layout
-    router.root_ref = weakref.ref(root)
-    root._rank1_router = router
-    router.handles = [
-        root.register_forward_pre_hook(_pre_hook, with_kwargs=True),
-        root.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
-    ]
-
-
-def is_root(module: nn.Module) -> bool:
-    """Whether ``module`` carries the routing hooks of a converted model."""
-    return any(h is _pre_hook for h in module._forward_pre_hooks.values())
-
-
-def detach(root: nn.Module) -> None:
-    """Remove the routing hooks that :func:`attach` installed (the router attribute stays)."""
-    router: Router = root._rank1_router
-    for handle in router.handles:
-        handle.remove()
-    router.handles = []
-
-
-def find_root(model: nn.Module) -> nn.Module:
-    """The module carrying the routing hooks of a converted model (also through wrappers such as DDP)."""
-    for module in model.modules():
-        if is_root(module):
-            return module
-    raise ValueError(
-        f"{type(model).__name__} is not a converted model (no rank-1 routing found); call bayesify.convert(model) first."
-    )
-
-
-def find_router(model: nn.Module) -> Router:
-    """The router of a converted model (also through wrappers such as DDP), or of the converted layers inside a
-    module that holds some of them without their root (a sub-module, a traced feature extractor)."""
-    for module in model.modules():
-        if is_root(module):
-            return module._rank1_router
-        state = module.__dict__.get("rank1_state")
-        if state is not None:
-            return state.router
-    return find_root(model)._rank1_router  # (raises: not converted)
-
-
-def split_output(model: nn.Module, output: Any) -> Any:
-    """The last tiled forward's ``output`` of ``model`` with a member axis in front of each batched leaf."""
-    root = find_root(model)
-    return root._rank1_router.split(root, output)

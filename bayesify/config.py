@@ -29,7 +29,7 @@ from bayesify.options import (
 )
 from bayesify.predictive.tasks import Task, TaskName, resolve_task
 
-__all__ = ["Rank1Config"]
+__all__ = ["LayerOptions", "ModelOptions", "Rank1Config", "scoped"]
 
 
 def _positive(name: str, value: float, fix: str) -> float:
@@ -77,7 +77,7 @@ class Rank1Config:
         >>> bayesify.convert(model, config)          # or bayesify.convert(model, components=4, prior_std=0.05)
     """
 
-    components: int = option(4, "K, the number of mixture components (paper: 4)")
+    components: int = option(4, "K, the number of mixture components (paper: 4)", scope="model")
     prior: Prior = option(Prior.NORMAL, "prior on each entry of r and s")
     prior_mean: float | None = option(None, "prior location; default 1 (multiplicative) or 0 (additive)")
     prior_std: float | None = option(
@@ -104,28 +104,33 @@ class Rank1Config:
     )
     init_jitter: float = option(0.0, "std of truncated-normal jitter on the raw scale (reference: 0.1)")
     clip: float | None = option(10.0, "samples of r and s clipped to [-clip, clip] (reference: 10; None: off)")
-    batch_dim: int = option(0, "where the batch lies in the model's inputs (and Linear layers' inputs)")
+    batch_dim: int = option(0, "where the batch lies in the model's inputs (and Linear layers' inputs)", scope="model")
     eval_noise: bool = option(
         False,
         "evaluation samples r and s (the reference) instead of the K members' posterior means; measured "
         "better calibrated at the means (README: defaults)",
+        scope="model",
     )
     sampling: Sampling = option(
         Sampling.AUTO,
         "'auto': per layer, one sample per component folded into the weight where that is cheaper (conv nets), "
         "else per example; 'example': per example everywhere (the reference); 'component': per component everywhere",
+        scope="model",
     )
     task: TaskName | Task = option(
         TaskName.AUTO,
         "what the output means, i.e. how evaluation reduces the members: 'auto' (ask the model: timm, torchvision, "
         "Hugging Face), 'classification', 'binary', 'multilabel', 'regression', 'gaussian', 'members'; or a "
         "bayesify.predictive.Task, a function reduce(members), a dict {output key: task}",
+        scope="conversion",
     )
-    class_axis: int | None = option(None, "task='classification': the class axis (default -1, or 1 for 4-d+ outputs)")
+    class_axis: int | None = option(None, "task='classification': the class axis (default -1, or 1 for 4-d+ outputs)", scope="conversion")
     gaussian_variance: VarianceParameter = option(
-        VarianceParameter.LOG, "task='gaussian': how the head's second half encodes the variance (log, softplus, variance, std)"
+        VarianceParameter.LOG,
+        "task='gaussian': how the head's second half encodes the variance (log, softplus, variance, std)",
+        scope="conversion",
     )
-    embeddings: bool = option(False, "make nn.Embedding / EmbeddingBag Gaussian variational embeddings (paper: MIMIC)")
+    embeddings: bool = option(False, "make nn.Embedding / EmbeddingBag Gaussian variational embeddings (paper: MIMIC)", scope="conversion")
     embedding_prior_std: float = option(1.0, "std of the Normal(0, std) prior of Gaussian embeddings")
 
     def __post_init__(self) -> None:
@@ -184,20 +189,6 @@ class Rank1Config:
         """The factor value that leaves a layer unchanged: 1 multiplicative, 0 additive."""
         return 1.0 if self.perturbation is Perturbation.MULTIPLICATIVE else 0.0
 
-    @property
-    def initial_std(self) -> float:
-        """Initial posterior scale: ``init_std``; else from ``init_dropout``, sqrt(p / (1 - p)); else a Normal
-        posterior starts at the prior's scale (the KL to the prior is 0 at conversion) and a Cauchy one at the
-        reference's p = 1e-6 (a Cauchy as wide as the prior would draw its heavy tails from the start)."""
-        if self.init_std is not None:
-            return self.init_std
-        p = self.init_dropout
-        if p is None and self.posterior is Posterior.CAUCHY:
-            p = 1e-6
-        if p is None:
-            return self.resolved_prior_std()
-        return math.sqrt(p / (1.0 - p))
-
     def resolved_prior_std(self, layers: int = 1) -> float:
         """``prior_std``, or for None the depth rule ``min(0.3, 0.4 / sqrt(layers))``.
 
@@ -210,9 +201,15 @@ class Rank1Config:
             return self.prior_std
         return min(0.3, 0.4 / math.sqrt(max(layers, 1)))
 
-    def for_depth(self, layers: int) -> "Rank1Config":
-        """This config with ``prior_std`` resolved for a model of ``layers`` rank-1 layers (see :meth:`resolved_prior_std`)."""
-        return self if self.prior_std is not None else self.replace(prior_std=self.resolved_prior_std(layers))
+    def model_options(self) -> "ModelOptions":
+        """The options every layer of a model shares (``scope="model"``): the model's one copy of them."""
+        return ModelOptions(**{name: getattr(self, name) for name in scoped(Rank1Config, "model")})
+
+    def layer_options(self, layers: int = 1) -> "LayerOptions":
+        """What each layer's factors are made with (``scope="layer"``), the prior's scale resolved for a model of
+        ``layers`` rank-1 layers (:meth:`resolved_prior_std`): every layer of a model shares one prior."""
+        values = {name: getattr(self, name) for name in scoped(Rank1Config, "layer")}
+        return LayerOptions(**{**values, "prior_std": self.resolved_prior_std(layers)})
 
     def replace(self, **changes: object) -> "Rank1Config":
         """A copy with ``changes`` applied (validated again)."""
@@ -255,6 +252,68 @@ class Rank1Config:
                 value = str(value)  # a custom Task is saved by name only
             plain[f.name] = list(value) if isinstance(value, tuple) else value
         return plain
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The conversion options every layer of a model shares (``scope="model"`` in :class:`Rank1Config`), held once,
+    on the model (``bayesify.ModelState.options``): the layers read them from there at run time, never a copy."""
+
+    components: int
+    batch_dim: int
+    eval_noise: bool
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """What one layer's factors are made with (``scope="layer"`` in :class:`Rank1Config`), ``prior_std`` resolved.
+
+    Made by :meth:`Rank1Config.layer_options` (validated there); a layer holds it as ``layer.rank1_state.options``
+    and its factors share it. The number of components is the model's (:class:`ModelOptions`), not a layer's.
+    """
+
+    prior: Prior
+    prior_mean: float
+    prior_std: float
+    posterior: Posterior
+    perturbation: Perturbation
+    init: Init
+    init_sign_p: float
+    init_mean_std: float
+    init_dropout: float | None
+    init_std: float | None
+    init_jitter: float
+    clip: float | None
+    embedding_prior_std: float
+
+    @property
+    def identity(self) -> float:
+        """The factor value that leaves a layer unchanged: 1 multiplicative, 0 additive."""
+        return 1.0 if self.perturbation is Perturbation.MULTIPLICATIVE else 0.0
+
+    @property
+    def initial_std(self) -> float:
+        """Initial posterior scale: ``init_std``; else from ``init_dropout``, sqrt(p / (1 - p)); else a Normal
+        posterior starts at the prior's scale (the KL to the prior is 0 at conversion) and a Cauchy one at the
+        reference's p = 1e-6 (a Cauchy as wide as the prior would draw its heavy tails from the start)."""
+        if self.init_std is not None:
+            return self.init_std
+        p = self.init_dropout
+        if p is None and self.posterior is Posterior.CAUCHY:
+            p = 1e-6
+        if p is None:
+            return self.prior_std
+        return math.sqrt(p / (1.0 - p))
+
+    def replace(self, **changes: object) -> "LayerOptions":
+        """A copy with ``changes`` applied (e.g. a recurrent kernel's unclipped samples)."""
+        return replace(self, **changes)
+
+
+def scoped(cls: type, scope: str) -> tuple[str, ...]:
+    """The names of ``cls``'s options of one ``scope`` (``"model"``, ``"layer"``, ``"conversion"``; see ``option``)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("scope", "layer") == scope)
 
 
 @functools.cache

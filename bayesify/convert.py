@@ -13,14 +13,11 @@ import dataclasses
 import fnmatch
 import inspect
 import sys
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Iterable, Mapping, Unpack
 
 from torch import nn
 
-from bayesify import _router, _weight_decay
-from bayesify.config import Rank1Config, Rank1Options, options_doc
+from bayesify.config import Rank1Config, Rank1Options, options_doc, scoped
 from bayesify.inspection import NORM_LAYERS, inside, rank1_layers
 from bayesify.layers.attention import Rank1MultiheadAttention
 from bayesify.layers.base import ConvertedLayer, Rank1Layer
@@ -31,10 +28,10 @@ from bayesify.layers.embedding import GaussianEmbedding
 from bayesify.layers.hf_conv1d import Rank1HFConv1D
 from bayesify.layers.linear import Rank1Linear
 from bayesify.layers.recurrent import Rank1RNN, Rank1RNNCell
+from bayesify.model_state import ATTRIBUTE, ConversionReport, ModelState, Skip, SkipKind, is_root
 from bayesify.predictive.libraries import infer_task
-from bayesify.predictive.tasks import Auto, resolve_task
+from bayesify.predictive.tasks import Auto, Task, resolve_task
 from bayesify.variational import store
-from bayesify.variational.draws import ModelDraws
 
 __all__ = ["ConversionReport", "Skip", "SkipKind", "convert", "default_mapping", "revert"]
 
@@ -84,34 +81,6 @@ def default_mapping() -> dict[type[nn.Module], type[ConvertedLayer]]:
         if isinstance(source, type):
             table[source] = layer_class
     return table
-
-
-class SkipKind(str, Enum):
-    """Why a weight-bearing module stayed deterministic."""
-
-    NO_LAYER_CLASS = "no_layer_class"  # nothing in the mapping converts it (it may or may not be a linear map)
-    EMBEDDING = "embedding"  # an embedding, deterministic unless embeddings=True
-    NOT_INCLUDED = "not_included"
-    EXCLUDED = "excluded"
-    ADDED_LATER = "added_later"  # not there at conversion time
-
-
-@dataclass(frozen=True)
-class Skip:
-    kind: SkipKind
-    message: str
-
-    @property
-    def guessed(self) -> bool:
-        """A static guess (it has a matrix and no layer class), not the user's choice: a probe may overrule it."""
-        return self.kind in (SkipKind.NO_LAYER_CLASS, SkipKind.ADDED_LATER)
-
-
-@dataclass
-class ConversionReport:
-    """What :func:`convert` left deterministic and why (kept on the root, read by :func:`bayesify.summary`)."""
-
-    skipped: dict[str, Skip] = field(default_factory=dict)
 
 
 def _lookup(module: nn.Module, mapping: Mapping[type, type[ConvertedLayer]]) -> type[ConvertedLayer] | None:
@@ -223,17 +192,20 @@ def convert(
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}.")
     config = Rank1Config.from_options(config, **options)
     table = _swap_table(mapping, config)
-    router = _router_for(model, config)
+    said = config.resolved_task()  # what the caller said of the output (Auto: nothing)
+    state = _state_for(model, config, said)
     plan, skipped = _plan(model, table, _as_patterns("include", include), _as_patterns("exclude", exclude))
-    # the prior's scale follows the depth unless given (Rank1Config.resolved_prior_std)
-    config = config.for_depth(sum(issubclass(layer_class, Rank1Layer) for _, _, layer_class in plan))
+    # one prior for every layer, its scale following the depth unless given (Rank1Config.resolved_prior_std)
+    layer_options = config.layer_options(sum(issubclass(layer_class, Rank1Layer) for _, _, layer_class in plan))
     for name, module, layer_class in plan:
-        new = layer_class.from_module(module, config, router)
+        new = layer_class.from_module(module, layer_options, state)
         if new is not module:
             _replace(model, name, new)
             if name == "":
                 model = new
-    _finish(model, config, router, [name for name, _, _ in plan], skipped)
+    if isinstance(state.task, Auto):  # the one place convert decides it: what was said, else what the model states
+        state.task = resolve_task(said, stated=infer_task(model), class_axis=config.class_axis)
+    _finish(model, state, [name for name, _, _ in plan], skipped)
     return model
 
 
@@ -309,27 +281,17 @@ def _plan(
     return plan, skipped
 
 
-def _finish(model: nn.Module, config: Rank1Config, router: _router.Router, names: list[str], skipped: dict) -> None:
-    """After the swap: the model's task, the conversion report, the routing hooks, the groups of tables."""
-    if not _router.is_root(model) or isinstance(router.task, Auto):
-        router.task = resolve_task(
-            config.task, stated=infer_task(model), class_axis=config.class_axis, gaussian_variance=config.gaussian_variance
-        )
-    report = model.__dict__.get("_rank1_report") or ConversionReport()
+def _finish(model: nn.Module, state: ModelState, names: list[str], skipped: dict) -> None:
+    """After the swap: the conversion report, the model state on the root, the new tables in groups."""
     for name in names:
-        report.skipped.pop(name, None)
-    report.skipped.update(skipped)
-    model.__dict__["_rank1_report"] = report
-    if not _router.is_root(model):
-        _router.attach(model, router, root_layout=isinstance(model, ConvertedLayer))
-    # the factors and bias offsets in groups drawn together once per pass (each stays its layer's own Parameter)
-    layers = [layer for _, layer in rank1_layers(model)]
-    store.pack(model, layers)
-    groups = list(dict.fromkeys(slot[0] for layer in layers for slot in store.slots_of(layer)))
-    for key, group in enumerate(groups):
-        group.key = key
-    router.draws = ModelDraws(config.components, groups)  # (the layers' takes are learnt again for the new numbering)
-    _weight_decay.install(model)  # timm's optimizer factory: no weight decay on the rank-1 parameters
+        state.report.skipped.pop(name, None)
+    state.report.skipped.update(skipped)
+    if not is_root(model):
+        state.attach(model, root_layout=isinstance(model, ConvertedLayer))
+    # the factors and bias offsets not in a group yet, in groups drawn together once per pass (each stays its
+    # layer's own Parameter); the layers' takes are learnt again with them
+    store.pack(model, [layer for _, layer in rank1_layers(model)], state.draws.groups)
+    state.draws.needs = {}
 
 
 convert.__doc__ = convert.__doc__.replace("{options}", options_doc(Rank1Config, indent="            "))
@@ -344,47 +306,41 @@ convert.__signature__ = inspect.signature(convert).replace(  # type: ignore[attr
 )
 
 
-def _router_for(model: nn.Module, config: Rank1Config) -> _router.Router:
-    """The model's router: the existing one on a second conversion, else a new one."""
-    existing = model.__dict__.get("_rank1_router")
+def _state_for(model: nn.Module, config: Rank1Config, said: Task) -> ModelState:
+    """The model's state: the existing one on a second conversion (whose model-wide options it must keep), else a
+    new one."""
+    existing = model.__dict__.get(ATTRIBUTE)
     inner = [layer for _, layer in rank1_layers(model)]
     if existing is None and inner:
-        existing = inner[0].rank1_state.router  # a part of the model was converted on its own before
+        existing = inner[0].rank1_state.model  # a part of the model was converted on its own before
+        existing.report = ConversionReport()  # (its names were relative to that part)
     if existing is None:
-        return _router.Router(config)
-    # the router owns the options every layer reads at run time: a second convert() cannot change them for some
-    # layers only (a task may be said where none was, or left "auto": the model keeps its own)
-    differ = [name for name in MODEL_WIDE if getattr(existing.config, name) != getattr(config, name)]
-    task = config.resolved_task()
-    if not isinstance(task, Auto) and not isinstance(existing.task, Auto) and task != existing.task:
+        return ModelState(config.model_options())
+    # the options every layer reads from the model state cannot change for some layers only (a task may be said
+    # where none was, or left "auto": the model keeps its own)
+    differ = [name for name in scoped(Rank1Config, "model") if getattr(existing.options, name) != getattr(config, name)]
+    if not isinstance(said, Auto) and not isinstance(existing.task, Auto) and said != existing.task:
         differ.append("task")
     if differ:
-        was = ", ".join(f"{name}={_shown(existing, name)}" for name in differ)
-        got = ", ".join(f"{name}={_shown(config, name)}" for name in differ)
+        was = ", ".join(f"{name}={_shown(existing.task if name == 'task' else getattr(existing.options, name))}" for name in differ)
+        got = ", ".join(f"{name}={_shown(said if name == 'task' else getattr(config, name))}" for name in differ)
         raise ValueError(
             f"{type(model).__name__} was converted with {was}; a second convert() must use the same model-wide "
             f"option(s) (got {got}): pass those, or call bayesify.revert(model) and convert again."
         )
-    # one router per model: rebind inner layers and drop routing hooks of inner roots
-    for _, layer in rank1_layers(model):
-        layer.rank1_state.router = existing
+    # one state per model: every layer takes it, and a part converted on its own before is a root no more
+    for layer in inner:
+        layer.rank1_state.model = existing
     for module in model.modules():
-        if module is not model and _router.is_root(module):
-            _router.detach(module)
-            if not isinstance(module, ConvertedLayer):
-                del module._rank1_router
+        if module is not model and is_root(module):
+            module.__dict__[ATTRIBUTE].detach(module)
     return existing
 
 
-MODEL_WIDE = ("components", "batch_dim", "sampling", "eval_noise")
-"""Options read at run time from the model's router, never from one layer: the same for every layer of a model."""
-
-
-def _shown(source: object, name: str) -> str:
-    """An option's value as a user writes it (``source``: a router or a config)."""
-    if name == "task":
-        return repr(str(source.task if isinstance(source, _router.Router) else source.resolved_task()))
-    value = getattr(source.config if isinstance(source, _router.Router) else source, name)
+def _shown(value: object) -> str:
+    """An option's value as a user writes it."""
+    if isinstance(value, Task):
+        return repr(str(value))
     return repr(getattr(value, "value", value))
 
 
@@ -399,13 +355,9 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 def revert(model: nn.Module) -> nn.Module:
     """Undo :func:`convert` in place: original classes, original state only. Returns ``model``."""
     for module in list(model.modules()):
-        if _router.is_root(module):
-            _router.detach(module)
-        module.__dict__.pop("_rank1_report", None)
-        _weight_decay.remove(module)
-        store.remove(module)
-        if not isinstance(module, ConvertedLayer):
-            module.__dict__.pop("_rank1_router", None)
+        state = module.__dict__.get(ATTRIBUTE)
+        if state is not None:
+            state.detach(module)  # its hooks, its no_weight_decay(), itself
     for _, layer in list(rank1_layers(model)):
         layer.revert()
     return model

@@ -10,8 +10,8 @@ from typing import Iterable, Iterator
 
 from torch import nn
 
-from bayesify._router import find_router
 from bayesify.layers.base import ConvertedLayer
+from bayesify.model_state import model_state
 from bayesify.predictive.libraries import infer_task
 from bayesify.predictive.tasks import Task, resolve_task
 
@@ -58,14 +58,14 @@ def num_components(model: nn.Module) -> int:
     size its member axis (``[K * samples, ...]`` from :func:`bayesify.predict`) for any model.
     """
     first = next(rank1_layers(model), None)
-    return 1 if first is None else first[1].rank1_config.components
+    return 1 if first is None else first[1].rank1_state.model.components
 
 
 def model_task(model: nn.Module, task: object = None, *, needed_by: str | None = None) -> Task:
     """What ``model``'s output means: ``task`` if given, else what the converted model was told (or found) at
     conversion, else what a plain model states (timm / torchvision / Hugging Face; see
     :func:`~bayesify.predictive.tasks.resolve_task`, which decides, and raises naming ``needed_by``'s ``task=``)."""
-    stated = find_router(model).task if is_converted(model) else infer_task(model)
+    stated = model_state(model).task if is_converted(model) else infer_task(model)
     return resolve_task(task, stated=stated, needed_by=needed_by)
 
 

@@ -8,7 +8,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from bayesify._router import RouteSpec, is_example_list, find_root, find_router, split_output
+from bayesify._router import RouteSpec, is_example_list
+from bayesify.model_state import find_root, model_state, split_output
 from bayesify.options import Route, parse_option
 from bayesify.predictive.tasks import Task, resolve_task
 
@@ -47,7 +48,7 @@ def mode(
         >>> with bayesify.mode(model, route="tile", noise=False):
         ...     members = model(x)            # [K*B, ...]: the K posterior-mean members
     """
-    router = find_router(model)
+    router = model_state(model).router
     if component is not None and route is None:
         route = Route.COMPONENT
     route = None if route is None else parse_option(route, Route, "route")
@@ -92,11 +93,9 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
         >>> members = bayesify.predict(model.eval(), x, samples=4)     # [K*4, B, classes]
         >>> probs = members.softmax(-1).mean(0)
     """
-    router = find_router(model)
-    if noise is None:
-        noise = router.overrides[-1].noise if router.overrides else None
-    if noise is None:
-        noise = True if samples > 1 else router.default_noise(_training(model))
+    router = model_state(model).router
+    if noise is None:  # decided where every pass's is (what an enclosing mode() said, else the defaults)
+        noise = router.default_noise(_training(model), samples)
     with torch.no_grad():
         if args and is_example_list(args[0]):
             outputs = []

@@ -146,15 +146,21 @@ def parse_option(value: object, kind: type[_E], name: str) -> _E:
     raise ValueError(f"{name}={value!r} is not a valid {kind.__name__} option; accepted: {accepted}.")
 
 
-def option(default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING, cli: bool = True) -> Any:
+def option(
+    default: Any = dataclasses.MISSING, help: str = "", *, factory: Any = dataclasses.MISSING, cli: bool = True, scope: str = "layer"
+) -> Any:
     """A dataclass field that documents itself: its one-line ``help`` feeds docstrings and CLI flags.
 
     The configuration dataclasses (:class:`~bayesify.config.Rank1Config`,
     :class:`~bayesify.training.TrainConfig`) declare every option once with this; ``convert``'s
     signature and docstring and the command line's flags are generated from those fields.
-    ``cli=False`` keeps a field off the command line (e.g. a Python-only mapping).
+    ``cli=False`` keeps a field off the command line (e.g. a Python-only mapping). ``scope`` says who reads a
+    conversion option: ``"layer"`` (each layer's factors: :class:`~bayesify.config.LayerOptions`), ``"model"`` (the
+    same for every layer, read at run time from the model's one copy: :class:`~bayesify.config.ModelOptions`), or
+    ``"conversion"`` (what ``convert()`` itself does: which layers, the task).
     """
-    return dataclasses.field(default=default, default_factory=factory, metadata={"help": help, "cli": cli})
+    metadata = {"help": help, "cli": cli, "scope": scope}
+    return dataclasses.field(default=default, default_factory=factory, metadata=metadata)
 
 
 def check_pair(posterior: Posterior, prior: Prior) -> None:

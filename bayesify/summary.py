@@ -8,12 +8,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from bayesify._router import find_root, find_router
 from bayesify._weight_uses import WeightUses, watched_parameters
-from bayesify.convert import ConversionReport, Skip, SkipKind, is_weight_bearing, static_skip
+from bayesify.convert import is_weight_bearing, static_skip
 from bayesify.inspection import inside, rank1_layers
 from bayesify.layers.base import ConvertedLayer
 from bayesify.mode import mode
+from bayesify.model_state import Skip, SkipKind, model_state
 from bayesify.variational.factor import Rank1Factor
 
 __all__ = ["Summary", "summary"]
@@ -77,8 +77,8 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     whose parameters were only used otherwise (position embeddings, bias tables, scales) is
     dropped from ``skipped`` (see ``bayesify._weight_uses``).
     """
-    router = find_router(model)
-    report = Summary(model=type(model).__name__, components=router.components, task=str(router.task))
+    state = model_state(model)
+    report = Summary(model=type(model).__name__, components=state.components, task=str(state.task))
     added_ids = set()
     for name, layer in rank1_layers(model):
         added = list(layer.rank1_parameters())
@@ -87,8 +87,7 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     report.added_parameters = sum(p.numel() for p in model.parameters() if id(p) in added_ids)
     report.original_parameters = sum(p.numel() for p in model.parameters() if id(p) not in added_ids)
 
-    conversion: ConversionReport = find_root(model).__dict__.get("_rank1_report") or ConversionReport()
-    skips: dict[str, Skip] = dict(conversion.skipped)
+    skips: dict[str, Skip] = dict(state.report.skipped)
     layer_names = [name for name, _ in rank1_layers(model)]
     for name, module in model.named_modules():
         if isinstance(module, (ConvertedLayer, Rank1Factor)) or name in skips or inside(name, layer_names):

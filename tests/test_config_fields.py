@@ -7,6 +7,7 @@ import inspect
 import typing
 
 import pytest
+import torch
 
 import bayesify
 from bayesify import cli
@@ -62,7 +63,29 @@ def test_every_option_reaches_the_layers_from_the_cli(field: dataclasses.Field, 
     assert isinstance(config, Rank1Config) and getattr(config.rank1, field.name) == value
     model = build_model(config, load_data("breast-cancer"))
     layer = next(layer for _, layer in bayesify.rank1_layers(model))
-    assert getattr(layer.rank1_config, field.name) == value, f"{field.name} did not reach the converted layers"
+    scope = field.metadata["scope"]
+    if scope == "layer":  # each layer's own options (the prior's scale resolved for the depth, when unset)
+        assert getattr(layer.rank1_options, field.name) == value, f"{field.name} did not reach the converted layers"
+    elif scope == "model":  # the model's one copy, which every layer reads
+        assert getattr(layer.rank1_state.model.options, field.name) == value, f"{field.name} did not reach the model"
+        assert layer.rank1_state.model is model.rank1_model
+    elif field.name == "embeddings":  # what convert() does: the table's embeddings become Gaussian
+        assert any(isinstance(m, bayesify.layers.GaussianEmbedding) for m in model.modules()) or not any(
+            isinstance(m, torch.nn.Embedding) for m in model.modules()
+        )
+    else:  # the task and its details: the model's task, decided once by convert() (a detail where it applies)
+        task = model.rank1_model.task
+        shown = {"task": str(task), "class_axis": getattr(task, "class_axis", value), "gaussian_variance": str(getattr(task, "variance", value))}
+        assert shown[field.name] == value, f"{field.name} did not reach the model's task ({task!r})"
+
+
+def test_every_option_has_one_scope_and_the_option_classes_hold_theirs() -> None:
+    """``scope`` says who reads an option; ModelOptions and LayerOptions hold exactly the options of theirs."""
+    from bayesify.config import LayerOptions, ModelOptions, scoped
+
+    assert {f.metadata["scope"] for f in FIELDS} == {"model", "layer", "conversion"}
+    assert [f.name for f in dataclasses.fields(ModelOptions)] == list(scoped(Rank1Config, "model"))
+    assert [f.name for f in dataclasses.fields(LayerOptions)] == list(scoped(Rank1Config, "layer"))
 
 
 def test_unknown_options_are_named() -> None:

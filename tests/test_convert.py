@@ -272,16 +272,17 @@ def test_a_second_conversion_keeps_every_layer_on_its_own_columns_of_the_store()
 
 
 def test_converting_again_with_other_model_wide_options_refuses_naming_each() -> None:
-    # the case: the router kept example / False while the new layer said component / True
+    # the case: the model kept example / False while the new layer said component / True
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     bayesify.convert(net, include="0", sampling="example", eval_noise=False, task="classification")
-    with pytest.raises(ValueError, match=r"converted with sampling='example', eval_noise=False; .* \(got sampling='component', eval_noise=True\)"):
+    with pytest.raises(ValueError, match=r"converted with eval_noise=False, sampling='example'; .* \(got eval_noise=True, sampling='component'\)"):
         bayesify.convert(net, sampling="component", eval_noise=True)
     with pytest.raises(ValueError, match=r"task='classification'.*got task='regression'"):
         bayesify.convert(net, sampling="example", task="regression")
     assert not isinstance(net[2], bayesify.ConvertedLayer)  # nothing was converted by the refused calls
     bayesify.convert(net, sampling="example")  # the same options (the task left "auto"): the rest converts
-    router = net._rank1_router
-    assert isinstance(net[2], bayesify.ConvertedLayer) and str(router.task) == "classification"
-    # one owner at run time: every layer reads the model-wide options from the root's router
-    assert all(layer.rank1_state.router is router for _, layer in bayesify.rank1_layers(net))
+    state = net.rank1_model
+    assert isinstance(net[2], bayesify.ConvertedLayer) and str(state.task) == "classification"
+    # one owner at run time: every layer reads the model-wide options from the root's one model state
+    assert all(layer.rank1_state.model is state for _, layer in bayesify.rank1_layers(net))
+    assert not hasattr(bayesify.rank1_layers(net).__next__()[1].rank1_state.options, "components")

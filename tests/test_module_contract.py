@@ -398,14 +398,14 @@ def test_a_layer_copied_out_of_its_model_stays_in_that_model() -> None:
     model = _resnet().eval()
     x, _ = _batch(3)
     head = copy.deepcopy(model.fc)
-    assert head.rank1_state.router is model.fc.rank1_state.router
+    assert head.rank1_state.model is model.fc.rank1_state.model
     members = _members(model, x)
     model.fc = head  # what peft's wrapper does: the copy runs in the model's pass
     torch.testing.assert_close(_members(model, x), members)
     with bayesify.mode(model, component=2, noise=False), torch.no_grad():
         torch.testing.assert_close(model.fc(model.forward_head(model.forward_features(x), pre_logits=True)), members[2])
     twin = copy.deepcopy(model)
-    assert twin.fc.rank1_state.router is twin._rank1_router is not model._rank1_router
+    assert twin.fc.rank1_state.model is twin.rank1_model is not model.rank1_model
     with bayesify.mode(twin, route="tile", noise=False), torch.no_grad():
         torch.testing.assert_close(twin(x).view(K, 3, -1), members)
 

@@ -48,7 +48,7 @@ def test_deepcopy_is_independent_and_identical() -> None:
     assert torch.equal(_members(model, X), _members(clone, X))
     assert clone.conv1.weight is not model.conv1.weight
     # the copy has its own routing context, shared by its own layers only
-    assert clone.conv1._rank1_router is clone._rank1_router is not model._rank1_router
+    assert clone.conv1.rank1_state.model is clone.rank1_model is not model.rank1_model
     with bayesify.mode(clone, route="tile"):
         assert clone(X).shape == (6, 5)
         assert model(X).shape == (2, 5)

@@ -205,7 +205,7 @@ def test_exception_in_forward_leaves_routing_clean() -> None:
     net = _net()
     with pytest.raises(RuntimeError):
         net(torch.randn(3, 7))  # wrong feature size: torch's own error
-    context = net._rank1_router
+    context = net.rank1_model.router
     assert not context.active
     assert net.eval()(torch.randn(3, 5)).shape == (3, 4)
 

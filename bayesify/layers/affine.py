@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from bayesify.config import Rank1Config
+from bayesify.config import LayerOptions
 from bayesify.layers._intercept import split_call
 from bayesify.layers.base import Draw, Rank1Layer
 from bayesify.layers.folded import fold_weight, fold_weights, rank1_folded, run_blocks
@@ -122,7 +122,7 @@ class Rank1Affine(Rank1Layer):
         weight, bias = self._parameters["weight"], self._parameters.get("bias")
         s, r = self.rank1_location("rank1_s", component), self.rank1_location("rank1_r", component)
         delta = self.rank1_location("rank1_bias", component)
-        if self.rank1_config.perturbation is Perturbation.ADDITIVE:
+        if self.rank1_options.perturbation is Perturbation.ADDITIVE:
             shift = self.rank1_constant_response(weight, s) + r
             if bias is None:
                 raise ValueError(
@@ -145,7 +145,7 @@ class Rank1Affine(Rank1Layer):
         or None when it cannot (a subclass's own forward, e.g. weight standardisation)."""
         return None
 
-    def rank1_setup(self, config: Rank1Config) -> None:
+    def rank1_setup(self, options: LayerOptions) -> None:
         fan_in, fan_out = self.rank1_features()
         self.rank1_s = self.rank1_factor(fan_in)
         self.rank1_r = self.rank1_factor(fan_out)
@@ -191,7 +191,7 @@ class Rank1Affine(Rank1Layer):
                 f"{channel_axis}, got an input of shape {tuple(x.shape)}."
             )
         draw = self.rank1_draw(1 if batch_axis is None else x.shape[batch_axis], x.device)
-        additive = self.rank1_config.perturbation is Perturbation.ADDITIVE
+        additive = self.rank1_options.perturbation is Perturbation.ADDITIVE
         folds = fold is not None and not additive and batch_axis is not None and self._rank1_folds(draw, x, fold.weight)
         if folds and not torch.is_grad_enabled() and _members_fixed(draw):
             # evaluation at the posterior means: K folded weights, no pass over the activations. Only where
@@ -252,7 +252,7 @@ class Rank1Affine(Rank1Layer):
         per block (fold, and in the backward the chain rule to W, r and s). Memory follows the same
         count: the per-row path keeps the scaled input and the unscaled output for the backward pass.
         """
-        sampling = self.rank1_state.router.config.sampling  # model-wide: the router owns it
+        sampling = self.rank1_state.model.options.sampling  # model-wide: the model's one copy
         if draw.blocks is None or sampling is Sampling.EXAMPLE:
             return False
         if sampling is Sampling.COMPONENT:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
-from bayesify.config import Rank1Config
+from bayesify.config import LayerOptions
 from bayesify.layers.base import Draw, Rank1Layer
 from bayesify.layers.folded import fold_weight
 from bayesify.layers.rank1_op import rank1_affine
@@ -81,7 +81,7 @@ class Rank1MultiheadAttention(Rank1Layer):
     # an intercepted view, so those fused kernels are never taken
     rank1_intercepted = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias")
 
-    def rank1_setup(self, config: Rank1Config) -> None:
+    def rank1_setup(self, options: LayerOptions) -> None:
         if _disable_fused_fast_path not in self._forward_pre_hooks.values():
             self.register_forward_pre_hook(_disable_fused_fast_path)
         e = self.embed_dim
@@ -108,7 +108,7 @@ class Rank1MultiheadAttention(Rank1Layer):
         out_weight, out_bias = self.out_proj._parameters["weight"], self.out_proj._parameters.get("bias")
         delta_out = at("rank1_bias_out")
         merged: dict[str, Tensor] = {}
-        if self.rank1_config.perturbation is Perturbation.ADDITIVE:
+        if self.rank1_options.perturbation is Perturbation.ADDITIVE:
             if in_bias is None or out_bias is None:
                 raise ValueError(
                     "the additive perturbation shifts each projection by W s + r, and this MultiheadAttention has no "
@@ -168,7 +168,7 @@ class Rank1MultiheadAttention(Rank1Layer):
             draw.sample(getattr(self, f"rank1_s_{name}")),
             draw.sample(getattr(self, f"rank1_r_{name}")),
             offset,
-            additive=self.rank1_config.perturbation is Perturbation.ADDITIVE,
+            additive=self.rank1_options.perturbation is Perturbation.ADDITIVE,
             batch_axis=1,
             channel_axis=-1,
         )
@@ -260,7 +260,7 @@ class Rank1MultiheadAttention(Rank1Layer):
     ) -> tuple[Tensor | None, Tensor | None, bool]:
         """The masks as torch's attention takes them (float, tiled for a tiled batch), and the causal hint."""
         bsz, heads = query.shape[1], self.num_heads
-        tiles = self.rank1_state.router.tiles
+        tiles = self.rank1_state.model.router.tiles
         if tiles > 1:
             # masks given per example for a tiled batch (the root tiles only tensors whose batch_dim holds
             # the batch): the same mask for every member

@@ -41,12 +41,12 @@ from typing import Any, Callable, ClassVar, Iterator
 import torch
 from torch import Tensor, nn
 
-from bayesify._router import Block, ForwardState, Router
-from bayesify.config import Rank1Config
-from bayesify.options import Sampling
+from bayesify.config import LayerOptions
 from bayesify.layers._intercept import intercept
-from bayesify.variational.factor import Rank1Factor, sample_factors
+from bayesify.model_state import ModelState
+from bayesify.variational.draws import Draw
 from bayesify.variational.divergence import KLTerm, total_kl
+from bayesify.variational.factor import Rank1Factor
 
 __all__ = ["ConvertedLayer", "Draw", "LayerState", "Rank1Layer", "rank1_class"]
 
@@ -85,8 +85,8 @@ def _rebuild(layer_class: type["ConvertedLayer"], base: type[nn.Module]) -> nn.M
 class LayerState:
     """Everything bayesify keeps on one converted layer (``layer.rank1_state``)."""
 
-    config: Rank1Config
-    router: Router  # shared by every layer of the model
+    options: LayerOptions  # what its factors are made with (the model-wide options are the model's: model.options)
+    model: ModelState  # the state of the model it belongs to, shared by every layer of the model
     bias_offsets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # rank1_bias*: the biases it offsets
     busy: bool = False  # inside the base class's own forward: its weight reads are plain
     cache: Any = None  # the draws of the forward pass in flight, for the layer's further calls in it (recurrent layers)
@@ -102,130 +102,16 @@ class LayerState:
 
     def __deepcopy__(self, memo: dict) -> "LayerState":
         # a layer copied out of its model on its own (peft's modules_to_save, copy.deepcopy(model.head)) stays in
-        # that model: it keeps the model's router, so the model's passes and mode() route it as every other layer.
+        # that model: it keeps the model's state, so the model's passes and mode() route it as every other layer.
         # Copied with its model (the root is being copied: deepcopy puts it in the memo before its state), it takes
-        # the copied router, as every other layer of the copy does.
-        root = self.router.root
-        alone = id(self.router) not in memo and root is not None and id(root) not in memo
+        # the copied model state, as every other layer of the copy does.
+        root = self.model.root
+        alone = id(self.model) not in memo and root is not None and id(root) not in memo
         new = LayerState.__new__(LayerState)
         memo[id(self)] = new
         for name, value in self.__getstate__().items():
-            new.__dict__[name] = value if name == "router" and alone else copy.deepcopy(value, memo)
+            new.__dict__[name] = value if name == "model" and alone else copy.deepcopy(value, memo)
         return new
-
-
-@dataclass(frozen=True)
-class Draw:
-    """How one call of a layer is routed: the component of each row, whether to sample, and the rows'
-    blocks of one component each (when they run so; see :class:`bayesify.Sampling`).
-
-    Inside a routed forward pass the values come from the draws the router made for the whole model
-    ahead of the pass (one per group of tables, :mod:`bayesify.variational.store`): taking them costs no
-    op once the router has learnt how the layer takes them (the first pass slices them out). Outside a
-    routed pass, or for a table in no group drawn ahead, the layer draws its own.
-
-    Example:
-        >>> draw = self.rank1_draw(x.shape[0], x.device)
-        >>> s = draw.sample(self.rank1_s)          # [n, in_features], one vector per row
-        >>> offset = draw.gather("rank1_bias")     # [n, out_features], the bias offset of each row's component
-    """
-
-    rows: Tensor
-    noise: bool
-    blocks: tuple[Block, ...] | None = None
-    block_components: Tensor | None = None
-    per_block: bool = False  # one sample per block on the per-row path too (sampling='component')
-    fixed_components: tuple[int, ...] | None = None  # the blocks' components as ints, when the route fixes them
-    layer: Any = None  # the ConvertedLayer drawing (its bias offsets by name)
-    forward: ForwardState | None = None  # the routed pass, whose draws were made ahead
-    repeat: int = 1  # rows of this call per routed row (1 the same, f > 1 repeated, 0 the first only)
-
-    def sample(self, *factors: Rank1Factor, like: tuple[int, int, int] | None = None) -> Tensor | list[Tensor]:
-        """One value of each factor per row, ``[n, features]``, from each row's component (a list for
-        several factors, drawn together).
-
-        ``like=(ndim, batch_axis, channel_axis)`` asks for the values in the shape that broadcasts
-        against an activation of that layout (``[n, features, 1, 1]`` for a 2-d convolution's input) where
-        they come so from the draw ahead, saving the layer a view per factor; they may also come as
-        ``[n, features]``, so take either (:func:`~bayesify.layers.rank1_op.rank1_affine` does).
-        """
-        if self.per_block and self.blocks is not None:
-            values = [_spread(v, self.blocks) for v in self._blocks(factors)]
-        else:
-            values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], "rows", like)
-            if values is None:
-                values = sample_factors(factors, self.rows, self.noise)
-        return values[0] if len(factors) == 1 else values
-
-    def sample_blocks(self, *factors: Rank1Factor) -> Tensor | list[Tensor]:
-        """One value of each factor per block, ``[len(blocks), features]`` (a list for several factors)."""
-        values = self._blocks(factors)
-        return values[0] if len(factors) == 1 else values
-
-    def _blocks(self, factors: tuple[Rank1Factor, ...]) -> list[Tensor]:
-        assert self.block_components is not None, "per-block samples need blocked rows"
-        values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], "blocks")
-        return sample_factors(factors, self.block_components, self.noise) if values is None else values
-
-    def gather(self, table: Tensor | str, like: tuple[int, int, int] | None = None) -> Tensor | None:
-        """Row ``k`` of a ``[K, ...]`` per-component table for each row: ``[n, ...]``. ``table`` is a tensor,
-        or the name of one of the layer's bias offsets (None if the layer has none of that name); ``like``
-        as for :meth:`sample`."""
-        found = self._table(table, "rows", like)
-        if found is None or isinstance(found, _Drawn):
-            return None if found is None else found.value
-        return found[self.rows]
-
-    def gather_blocks(self, table: Tensor | str) -> Tensor | None:
-        """Row ``k`` of a ``[K, ...]`` per-component table for each block (``table`` as for :meth:`gather`)."""
-        assert self.block_components is not None, "gather_blocks() needs blocked rows"
-        found = self._table(table, "blocks")
-        if found is None or isinstance(found, _Drawn):
-            return None if found is None else found.value
-        return found[self.block_components]
-
-    def _table(self, table: Tensor | str, kind: str, like: tuple | None = None) -> "Tensor | _Drawn | None":
-        if not isinstance(table, str):
-            return table
-        state = self.layer.rank1_state
-        slot = state.packed.get(table)
-        values = None if slot is None else self._ahead([slot], kind, like)
-        return getattr(self.layer, table) if values is None else _Drawn(values[0])  # its own table, or None (no bias)
-
-    def _ahead(self, slots: list, kind: str, like: tuple | None = None) -> list[Tensor] | None:
-        """The values drawn ahead for these ``(group, slot)`` s, shaped for this call's rows; None if any was not."""
-        forward = self.forward
-        if forward is None or forward.draws is None or self.layer is None or any(slot is None for slot in slots):
-            return None
-        if like is not None:
-            ndim, batch_axis, channel_axis = like
-            like = (ndim, batch_axis % ndim, channel_axis % ndim)
-            if self.repeat != 1 or kind != "rows" or like[1] >= like[2]:
-                like = None  # only the routed rows themselves, with the batch before the channels, come shaped
-        model_draws = self.layer.rank1_state.router.draws
-        values = [model_draws.take(forward.draws, group, index, kind, like) for group, index in slots]
-        if any(v is None for v in values):
-            return None
-        if self.repeat == 1:
-            return values
-        if self.repeat == 0:  # a batch-independent call: its rows all take the first row's (or block's) values
-            return [v[:1] if kind == "blocks" else v[:1].expand(self.rows.shape[0], -1) for v in values]
-        if kind == "blocks":
-            return values
-        return [v.unsqueeze(1).expand(-1, self.repeat, -1).reshape(-1, v.shape[-1]) for v in values]
-
-
-@dataclass(frozen=True)
-class _Drawn:
-    value: Tensor
-
-
-def _spread(per_block: Tensor, blocks: tuple[Block, ...]) -> Tensor:
-    """``[blocks, F]`` -> ``[rows, F]``: each block's value on each of its rows."""
-    sizes = [b - a for a, b in blocks]
-    if len(set(sizes)) == 1:
-        return per_block[:, None].expand(len(blocks), sizes[0], per_block.shape[-1]).reshape(-1, per_block.shape[-1])
-    return torch.cat([v.expand(n, -1) for v, n in zip(per_block[:, None], sizes)])
 
 
 def _keep_rank1_state_if_absent(
@@ -266,7 +152,7 @@ class ConvertedLayer(nn.Module):
     __rank1_base__: type[nn.Module]
 
     @classmethod
-    def from_module(cls, module: nn.Module, config: Rank1Config, router: Router) -> nn.Module:
+    def from_module(cls, module: nn.Module, options: LayerOptions, model: ModelState) -> nn.Module:
         """Make ``module`` a converted layer in place (same object, same Parameters) and return it."""
         if isinstance(module, ConvertedLayer):
             raise ValueError(f"{type(module).__name__} is already a rank-1 layer; convert each layer once.")
@@ -276,10 +162,10 @@ class ConvertedLayer(nn.Module):
                 "forward pass on an example batch before bayesify.convert()."
             )
         module.__class__ = rank1_class(cls, type(module))
-        state = module.__dict__["rank1_state"] = LayerState(config, router)
+        state = module.__dict__["rank1_state"] = LayerState(options, model)
         state.load_hook = module.register_load_state_dict_pre_hook(_keep_rank1_state_if_absent).id
         try:
-            module.rank1_setup(config)
+            module.rank1_setup(options)
         except Exception:
             module.revert()
             raise
@@ -287,16 +173,17 @@ class ConvertedLayer(nn.Module):
 
     # ---- the contract ------------------------------------------------------------------------
 
-    def rank1_setup(self, config: Rank1Config) -> None:
-        """Create this layer's factors (:meth:`rank1_factor`) and bias offsets (:meth:`rank1_bias_offset`)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement rank1_setup(config).")
+    def rank1_setup(self, options: LayerOptions) -> None:
+        """Create this layer's factors (:meth:`rank1_factor`) and bias offsets (:meth:`rank1_bias_offset`);
+        ``options``: what its factors are made with (posterior, prior, initialisation, perturbation)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement rank1_setup(options).")
 
     def rank1_batch_axis(self, x: Any) -> int | None:
         """Where the batch lies in this layer's first input (None: one unbatched example).
 
         Used when the layer is itself the converted model; default: the conversion's ``batch_dim``.
         """
-        return self.rank1_state.router.batch_dim
+        return self.rank1_state.model.options.batch_dim
 
     def rank1_input_axes(self, args: tuple, kwargs: dict) -> list[int | None] | None:
         """The batch axis of each tensor leaf of ``(args, kwargs)`` (flattened in that order), or None
@@ -345,36 +232,23 @@ class ConvertedLayer(nn.Module):
     rank1_state: LayerState  # in the instance's __dict__ (a plain attribute: no property for torch.compile to trace)
 
     @property
-    def rank1_config(self) -> Rank1Config:
-        """The options this layer was converted with."""
-        return self.rank1_state.config
-
-    @property
-    def _rank1_router(self) -> Router:  # where the routing hooks find the router of a root that is itself a layer
-        return self.rank1_state.router
-
-    @_rank1_router.setter
-    def _rank1_router(self, router: Router) -> None:  # a converted layer that is itself the root
-        self.rank1_state.router = router
+    def rank1_options(self) -> LayerOptions:
+        """What this layer's factors were made with (the model-wide options: ``self.rank1_state.model.options``)."""
+        return self.rank1_state.options
 
     def rank1_draw(self, n: int, device: torch.device) -> Draw:
         """The routing of a call on ``n`` rows: each row's component (shared by every layer of the
-        model within one forward pass) and whether to sample."""
-        state = self.rank1_state
-        routing = state.router.rows_for(n, device, self)
-        per_block = state.router.config.sampling is Sampling.COMPONENT  # a model-wide option: the router owns it
-        return Draw(
-            routing.rows, routing.noise, routing.blocks, routing.block_components, per_block,
-            routing.fixed_components, self, routing.forward, routing.repeat,
-        )  # fmt: skip
+        model within one forward pass), whether to sample, and the pass's draws to take the values from."""
+        return self.rank1_state.model.router.route(n, device, self)
 
-    def rank1_factor(self, features: int, config: Rank1Config | None = None) -> Rank1Factor:
-        """A new factor of ``features`` entries (K components), on this layer's device and dtype."""
+    def rank1_factor(self, features: int, options: LayerOptions | None = None) -> Rank1Factor:
+        """A new factor of ``features`` entries (the model's K components), on this layer's device and dtype."""
         like = next(self.parameters(recurse=False), None)
         kwargs: dict[str, Any] = {}
         if like is not None:
             kwargs = {"device": like.device, "dtype": like.dtype if like.is_floating_point() else None}
-        return Rank1Factor(features, config or self.rank1_config, **kwargs)
+        state = self.rank1_state
+        return Rank1Factor(features, state.model.components, options or state.options, **kwargs)
 
     def rank1_bias_offset(self, name: str, features: int, *biases: str) -> nn.Parameter | None:
         """Declare ``name``: per-component offsets ``[K, features]`` (zero at init) of the original biases.
@@ -392,7 +266,7 @@ class ConvertedLayer(nn.Module):
             self.register_parameter(name, None)
             return None
         like = _parameter(self, present[0]) if present else next(self.parameters(recurse=False))
-        offset = nn.Parameter(torch.zeros(self.rank1_config.components, features, device=like.device, dtype=like.dtype))
+        offset = nn.Parameter(torch.zeros(self.rank1_state.model.components, features, device=like.device, dtype=like.dtype))
         self.register_parameter(name, offset)
         self.rank1_state.bias_offsets[name] = present
         return offset
@@ -469,7 +343,7 @@ class ConvertedLayer(nn.Module):
         value = super().__getattr__(name)
         if name in type(self).rank1_intercepted:
             state = self.__dict__.get("rank1_state")
-            if state is not None and state.router.live() and not state.busy:
+            if state is not None and state.model.router.live() and not state.busy:
                 return intercept(value, self)
         return value
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from bayesify.config import Rank1Config
+from bayesify.config import LayerOptions
 from bayesify.layers.base import Rank1Layer
 from bayesify.layers.rank1_op import broadcast_rows, rank1_affine
 from bayesify.options import Perturbation
@@ -37,14 +37,14 @@ class Rank1Bilinear(Rank1Layer):
 
     rank1_intercepted = ("weight",)
 
-    def rank1_setup(self, config: Rank1Config) -> None:
+    def rank1_setup(self, options: LayerOptions) -> None:
         self.rank1_s1 = self.rank1_factor(self.in1_features)
         self.rank1_s2 = self.rank1_factor(self.in2_features)
         self.rank1_r = self.rank1_factor(self.out_features)
         self.rank1_bias_offset("rank1_bias", self.out_features, "bias")
 
     def rank1_batch_axis(self, x1: Tensor) -> int | None:
-        return None if x1.dim() < 2 else min(self.rank1_state.router.batch_dim, x1.dim() - 2)
+        return None if x1.dim() < 2 else min(self.rank1_state.model.options.batch_dim, x1.dim() - 2)
 
     def rank1_input_axes(self, args: tuple, kwargs: dict) -> list[int | None]:
         # used as the model: both inputs carry the batch (an unbatched pair gets its members at axis 0)
@@ -54,7 +54,7 @@ class Rank1Bilinear(Rank1Layer):
 
     def rank1_merge(self, component: int) -> dict[str, Tensor]:
         """``W' = W o (r_k (x) s1_k (x) s2_k)``, ``b' = b + delta_k``; the additive form is refused."""
-        if self.rank1_config.perturbation is Perturbation.ADDITIVE:
+        if self.rank1_options.perturbation is Perturbation.ADDITIVE:
             raise ValueError(
                 "the additive perturbation (x1 + s1)^T W (x2 + s2) adds terms linear in x1 and in x2, which "
                 "nn.Bilinear's weight and bias cannot hold"
@@ -70,7 +70,7 @@ class Rank1Bilinear(Rank1Layer):
     def forward(self, input1: Tensor, input2: Tensor) -> Tensor:
         axis = self.rank1_batch_axis(input1)
         draw = self.rank1_draw(1 if axis is None else input1.shape[axis], input1.device)
-        additive = self.rank1_config.perturbation is Perturbation.ADDITIVE
+        additive = self.rank1_options.perturbation is Perturbation.ADDITIVE
         s2 = broadcast_rows(draw.sample(self.rank1_s2).to(input2.dtype), input2.dim(), axis, -1)
         x2 = input2 + s2 if additive else input2 * s2
         bias = self._parameters.get("bias")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bayesify.config import Rank1Config
+from bayesify.config import LayerOptions
 from bayesify.layers.base import Rank1Layer
 from bayesify.layers.folded import fold_weight
 from bayesify.layers.rank1_op import rank1_affine
@@ -31,7 +31,7 @@ class Rank1CondConv2d(Rank1Layer):
         Dusenberry et al., ICML 2020.
     """
 
-    def rank1_setup(self, config: Rank1Config) -> None:
+    def rank1_setup(self, options: LayerOptions) -> None:
         self.rank1_s = self.rank1_factor(self.in_channels)
         self.rank1_r = self.rank1_factor(self.out_channels)
         if self._parameters.get("bias") is not None:
@@ -48,7 +48,7 @@ class Rank1CondConv2d(Rank1Layer):
         ``W(x)' = W(x) o (r_k s_k^T)`` for every example. A bias offset ``delta_k`` is added once, while
         the biases are mixed by routing weights that need not sum to one: it merges only when zero."""
         name = type(self).__rank1_base__.__name__
-        if self.rank1_config.perturbation is Perturbation.ADDITIVE:
+        if self.rank1_options.perturbation is Perturbation.ADDITIVE:
             raise ValueError(
                 f"the additive perturbation of {name} shifts its output by conv(s, W(x)) + r, which depends on each "
                 "example's routing weights and is no parameter of the layer"
@@ -76,7 +76,7 @@ class Rank1CondConv2d(Rank1Layer):
             draw.sample(self.rank1_s),
             draw.sample(self.rank1_r),
             draw.gather("rank1_bias"),
-            additive=self.rank1_config.perturbation is Perturbation.ADDITIVE,
+            additive=self.rank1_options.perturbation is Perturbation.ADDITIVE,
             batch_axis=0,
             channel_axis=1,
             core_bias=mixed,

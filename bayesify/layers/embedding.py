@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.config import Rank1Config
+from bayesify.config import LayerOptions
 from bayesify.layers.base import ConvertedLayer
 from bayesify.options import Posterior, Prior
 from bayesify.variational import distributions
@@ -51,9 +51,9 @@ class GaussianEmbedding(ConvertedLayer):
         Dusenberry et al., ICML 2020, Sec. 5.4; edward2 ``EmbeddingReparameterization``.
     """
 
-    def rank1_setup(self, config: Rank1Config) -> None:
+    def rank1_setup(self, options: LayerOptions) -> None:
         weight = self._parameters["weight"]
-        self.rank1_rho = nn.Parameter(torch.full_like(weight, distributions.raw_scale(config.initial_std)))
+        self.rank1_rho = nn.Parameter(torch.full_like(weight, distributions.raw_scale(options.initial_std)))
 
     @property
     def rank1_std(self) -> Tensor:
@@ -74,7 +74,7 @@ class GaussianEmbedding(ConvertedLayer):
         keep = self._rank1_noisy_rows()
         if keep is not None:
             weight, rho = weight[keep], rho[keep]
-        yield KLTerm(Posterior.NORMAL, Prior.NORMAL, 0.0, self.rank1_config.embedding_prior_std, weight, rho)
+        yield KLTerm(Posterior.NORMAL, Prior.NORMAL, 0.0, self.rank1_options.embedding_prior_std, weight, rho)
 
     def rank1_merge(self, component: int) -> dict[str, Tensor]:
         """Nothing changes: the posterior mean of every vector is the original weight (one Gaussian,
@@ -83,7 +83,7 @@ class GaussianEmbedding(ConvertedLayer):
 
     def forward(self, input: Tensor, *args: object, **kwargs: object) -> Tensor:
         base = type(self).__rank1_base__
-        if not self.rank1_state.router.noise_for(self.training):
+        if not self.rank1_state.model.router.noise_for(self.training):
             return base.forward(self, input, *args, **kwargs)
         if torch.compiler.is_compiling() and not self.sparse:
             return self._rank1_lookup(input, self._rank1_sampled_table(input), self.padding_idx, args, kwargs)
@@ -128,4 +128,4 @@ class GaussianEmbedding(ConvertedLayer):
         return F.embedding(indices, table, padding, None, self.norm_type, self.scale_grad_by_freq, False)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, gaussian (prior std {self.rank1_config.embedding_prior_std})"
+        return f"{super().extra_repr()}, gaussian (prior std {self.rank1_options.embedding_prior_std})"

@@ -35,7 +35,7 @@ class Rank1HFConv1D(Rank1Affine):
     def rank1_axes(self, x: Tensor) -> tuple[int | None, int]:
         if x.dim() < 2:
             return None, -1
-        return min(self.rank1_state.router.batch_dim, x.dim() - 2), -1
+        return min(self.rank1_state.model.options.batch_dim, x.dim() - 2), -1
 
     def rank1_core(self, x: Tensor) -> Tensor:
         return x @ self._parameters["weight"]

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten
 
-from bayesify.config import Rank1Config
+from bayesify.config import LayerOptions
 from bayesify.layers._scan import RecurrentScan, row_positions
 from bayesify.layers.base import Rank1Layer
 from bayesify.layers.folded import fold_weight
@@ -62,11 +62,11 @@ class _Rank1Recurrent(Rank1Layer):
 
     # ---- set-up ---------------------------------------------------------------------------
 
-    def _rank1_add_kernels(self, tag: str, config: Rank1Config) -> None:
+    def _rank1_add_kernels(self, tag: str, options: LayerOptions) -> None:
         """Factors (and bias offsets) of the kernels ``weight_ih{tag}``, ``weight_hh{tag}``, ``weight_hr{tag}``."""
         params = self._parameters
         w_ih, w_hh, w_hr = params[f"weight_ih{tag}"], params[f"weight_hh{tag}"], params.get(f"weight_hr{tag}")
-        unclipped = config.replace(clip=None)  # the reference LSTMCellRank1 does not clip its samples
+        unclipped = options.replace(clip=None)  # the reference LSTMCellRank1 does not clip its samples
         for kernel, weight in (("ih", w_ih), ("hh", w_hh), ("hr", w_hr)):
             if weight is None:
                 continue
@@ -140,7 +140,7 @@ class _Rank1Recurrent(Rank1Layer):
         once per sequence).
         """
         state = self.rank1_state
-        router = state.router
+        router = state.model.router
         draw = self.rank1_draw(n, device)
         cache = state.cache
         key = (n, draw.noise, device)
@@ -160,7 +160,7 @@ class _Rank1Recurrent(Rank1Layer):
 
     def _rank1_tile_state(self, state: Tensor, batch: int, dim: int) -> Tensor:
         """An initial state given for the B examples of a tiled (K x B) batch: the same for every member."""
-        tiles = self.rank1_state.router.tiles
+        tiles = self.rank1_state.model.router.tiles
         size = state.shape[dim]
         if size != batch and tiles > 1 and size * tiles == batch:
             return torch.cat([state] * tiles, dim)
@@ -170,7 +170,7 @@ class _Rank1Recurrent(Rank1Layer):
 
     @property
     def _rank1_additive(self) -> bool:
-        return self.rank1_config.perturbation is Perturbation.ADDITIVE
+        return self.rank1_options.perturbation is Perturbation.ADDITIVE
 
     def _rank1_input_gates(self, x: Tensor, tag: str, draws: dict[str, Tensor], steps: int, pos: Tensor | None) -> Tensor:
         """``[N, G]`` input projections of every time step (one matmul), biases included.
@@ -300,11 +300,11 @@ class Rank1RNN(_Rank1Recurrent):
         directions = ("", "_reverse") if self.bidirectional else ("",)
         return [f"_l{layer}{suffix}" for layer in range(self.num_layers) for suffix in directions]
 
-    def rank1_setup(self, config: Rank1Config) -> None:
+    def rank1_setup(self, options: LayerOptions) -> None:
         if self.mode not in _GATES:
             raise TypeError(f"{type(self).__name__} has mode={self.mode!r}; rank-1 supports {sorted(_GATES)}.")
         for tag in self._rank1_tags():
-            self._rank1_add_kernels(tag, config)
+            self._rank1_add_kernels(tag, options)
 
     def forward(self, input: Tensor | PackedSequence, hx: Any = None) -> tuple[Any, Any]:
         name = type(self).__rank1_base__.__name__
@@ -433,10 +433,10 @@ class Rank1RNNCell(_Rank1Recurrent):
     def _rank1_io_axes(self, x: Any) -> tuple[int, int]:
         return 0, 0
 
-    def rank1_setup(self, config: Rank1Config) -> None:
+    def rank1_setup(self, options: LayerOptions) -> None:
         if isinstance(self, nn.RNNCell) and self.nonlinearity not in ("tanh", "relu"):
             raise ValueError(f"RNNCell nonlinearity={self.nonlinearity!r} is not 'tanh' or 'relu'.")
-        self._rank1_add_kernels("", config)
+        self._rank1_add_kernels("", options)
 
     def forward(self, input: Tensor, hx: Any = None) -> Any:
         name = type(self).__rank1_base__.__name__

@@ -248,7 +248,7 @@ def _shown_config(run: LoadedRun) -> dict[str, Any]:
     layers = [layer for _, layer in rank1_layers(run.model)]
     if run.config.deterministic or not layers:
         return config
-    resolved = layers[0].rank1_config  # every layer of a model shares one prior (convert resolves it once)
+    resolved = layers[0].rank1_options  # every layer of a model shares one prior (convert resolves it once)
     if run.config.prior_std is None:
         depth = sum(isinstance(layer, Rank1Layer) for layer in layers)
         config["prior_std"] = f"{resolved.prior_std:.3g} (unset: min(0.3, 0.4 / sqrt(L)) for L = {depth} rank-1 layers)"

@@ -1,4 +1,5 @@
-"""The factors' draws of one forward pass, for the whole model at once: :class:`ModelDraws` and :class:`PassDraws`.
+"""The factors' draws: of one forward pass for the whole model (:class:`ModelDraws`, :class:`PassDraws`), and
+of one layer call (:class:`Draw`, the one routing record a layer sees).
 
 The router decides which component every row goes through (``bayesify/_router.py``); this module draws the
 tables for those rows. At the start of every routed pass (the root's pre-hook: outside any checkpointed region,
@@ -6,7 +7,8 @@ so a recomputation in the backward pass takes the very same values) :meth:`Model
 tables (:mod:`bayesify.variational.store`) in one go: a value per block ("blocks") and per row ("rows"), so that
 the draws and the random numbers they use do not depend on which layers ask for which. Then it takes the tables
 out as the layers took them in passes like this one (columns and broadcast shapes, learnt from their requests),
-so a layer's values are ready-made views. A layer asks :meth:`ModelDraws.take` for its table.
+so a layer's values are ready-made views. A layer's call gets a :class:`Draw` from the router (its rows) and
+takes its values through it (:meth:`Draw.sample`, :meth:`Draw.gather`), from the pass's draws where it can.
 
 A group whose tables cannot be joined at the start of the pass (FSDP2 shards them until each block's forward)
 draws only its random numbers there; each layer then makes its values from its own tables and its columns of
@@ -25,10 +27,18 @@ import torch
 from torch import Tensor
 
 from bayesify.variational import distributions
+from bayesify.variational.factor import Rank1Factor, sample_factors
 
-__all__ = ["ModelDraws", "PassDraws"]
+__all__ = ["Block", "Draw", "ModelDraws", "PassDraws"]
 
 BLOCKS, ROWS = "blocks", "rows"
+
+Block = tuple[int, int]
+"""``(start, stop)``: rows ``start:stop`` of a batch all go through one component.
+
+Only the boundaries are Python numbers; which component a block goes through is a tensor
+(``block_components``), so that a random order of the components needs no ``.tolist()`` (a graph
+break under ``torch.compile``) and an exported graph keeps it symbolic."""
 
 
 @dataclass
@@ -41,6 +51,7 @@ class PassDraws:
     of a group not joined this pass, ``{(group number, kind): [m, total]}``.
     """
 
+    source: "ModelDraws"  # the model's groups and learnt takes (what take() asks)
     noise: bool  # sample (else the posterior means)
     rows: Tensor  # the component of every row
     block_components: Tensor | None  # the component of every block (None: the rows run in no blocks)
@@ -56,6 +67,10 @@ class PassDraws:
         if kind == ROWS:
             return self.rows
         return None if self.every_component else self.block_components
+
+    def take(self, group: Any, slot: int, kind: str, like: tuple | None = None) -> Tensor | None:
+        """Table ``slot`` of ``group`` as drawn for this pass (:meth:`ModelDraws.take`)."""
+        return self.source.take(self, group, slot, kind, like)
 
 
 @dataclass
@@ -79,7 +94,7 @@ class ModelDraws:
         """Draw every table of the model for a pass routing ``rows`` (and blocks of ``block_components``; ``fixed``
         the blocks' components when the route fixes them), then take them out as the layers took them before."""
         every = fixed == tuple(range(self.components))
-        draws = PassDraws(noise, rows, block_components, every, signature)
+        draws = PassDraws(self, noise, rows, block_components, every, signature)
         scales: dict = {}  # group number: its posterior scale, shared by both kinds of draw
         # a traced pass (torch.compile, torch.export; its batch may be symbolic) neither learns nor takes ahead
         needs = {} if torch.compiler.is_compiling() else self.needs.get(signature, {})
@@ -157,3 +172,113 @@ class ModelDraws:
         if key not in draws.joined:
             draws.joined[key] = group.joined(name)
         return draws.joined[key]
+@dataclass(frozen=True, kw_only=True)
+class Draw:
+    """How one call of a layer is routed, and its values: the component of each row, whether to sample, the
+    rows' blocks of one component each (when they run so; see :class:`bayesify.Sampling`). The router makes it
+    (``Router.route``), the layer takes its factors' values through it.
+
+    Inside a routed forward pass the values come from the pass's draws (:class:`PassDraws`, made for the whole
+    model ahead of the pass, a group of tables at a time: :mod:`bayesify.variational.store`); taking them costs no
+    op once the model has learnt how the layer takes them (the first pass slices them out). Outside a routed
+    pass, or for a table in no group drawn ahead, the layer draws its own.
+
+    Example:
+        >>> draw = self.rank1_draw(x.shape[0], x.device)
+        >>> s = draw.sample(self.rank1_s)          # [n, in_features], one vector per row
+        >>> offset = draw.gather("rank1_bias")     # [n, out_features], the bias offset of each row's component
+    """
+
+    rows: Tensor  # [n] the component of each row
+    noise: bool  # sample the factors (else their posterior means)
+    blocks: tuple[Block, ...] | None = None  # contiguous runs of rows of one component, when the rows run so
+    block_components: Tensor | None = None  # [len(blocks)] their components, on the rows' device
+    fixed_components: tuple[int, ...] | None = None  # the blocks' components as ints, when the route fixes them
+    per_block: bool = False  # one sample per block on the per-row path too (sampling='component')
+    layer: Any = None  # the ConvertedLayer drawing (its bias offsets by name)
+    draws: PassDraws | None = None  # the routed pass's draws, made ahead of it
+    repeat: int = 1  # rows of this call per routed row: extra axes folded into the batch repeat each row's
+    first_only: bool = False  # a batch-independent call: every row takes the pass's first row's component
+
+    def sample(self, *factors: Rank1Factor, like: tuple[int, int, int] | None = None) -> Tensor | list[Tensor]:
+        """One value of each factor per row, ``[n, features]``, from each row's component (a list for
+        several factors, drawn together).
+
+        ``like=(ndim, batch_axis, channel_axis)`` asks for the values in the shape that broadcasts
+        against an activation of that layout (``[n, features, 1, 1]`` for a 2-d convolution's input) where
+        they come so from the draw ahead, saving the layer a view per factor; they may also come as
+        ``[n, features]``, so take either (:func:`~bayesify.layers.rank1_op.rank1_affine` does).
+        """
+        if self.per_block and self.blocks is not None:
+            values = [_spread(v, self.blocks) for v in self._blocks(factors)]
+        else:
+            values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], "rows", like)
+            if values is None:
+                values = sample_factors(factors, self.rows, self.noise)
+        return values[0] if len(factors) == 1 else values
+
+    def sample_blocks(self, *factors: Rank1Factor) -> Tensor | list[Tensor]:
+        """One value of each factor per block, ``[len(blocks), features]`` (a list for several factors)."""
+        values = self._blocks(factors)
+        return values[0] if len(factors) == 1 else values
+
+    def _blocks(self, factors: tuple[Rank1Factor, ...]) -> list[Tensor]:
+        assert self.block_components is not None, "per-block samples need blocked rows"
+        values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], "blocks")
+        return sample_factors(factors, self.block_components, self.noise) if values is None else values
+
+    def gather(self, table: Tensor | str, like: tuple[int, int, int] | None = None) -> Tensor | None:
+        """Row ``k`` of a ``[K, ...]`` per-component table for each row: ``[n, ...]``. ``table`` is a tensor,
+        or the name of one of the layer's bias offsets (None if the layer has none of that name); ``like``
+        as for :meth:`sample`."""
+        found = self._table(table, "rows", like)
+        if found is None or isinstance(found, _Drawn):
+            return None if found is None else found.value
+        return found[self.rows]
+
+    def gather_blocks(self, table: Tensor | str) -> Tensor | None:
+        """Row ``k`` of a ``[K, ...]`` per-component table for each block (``table`` as for :meth:`gather`)."""
+        assert self.block_components is not None, "gather_blocks() needs blocked rows"
+        found = self._table(table, "blocks")
+        if found is None or isinstance(found, _Drawn):
+            return None if found is None else found.value
+        return found[self.block_components]
+
+    def _table(self, table: Tensor | str, kind: str, like: tuple | None = None) -> "Tensor | _Drawn | None":
+        if not isinstance(table, str):
+            return table
+        state = self.layer.rank1_state
+        slot = state.packed.get(table)
+        values = None if slot is None else self._ahead([slot], kind, like)
+        return getattr(self.layer, table) if values is None else _Drawn(values[0])  # its own table, or None (no bias)
+
+    def _ahead(self, slots: list, kind: str, like: tuple | None = None) -> list[Tensor] | None:
+        """The values drawn ahead for these ``(group, slot)`` s, shaped for this call's rows; None if any was not."""
+        if self.draws is None or self.layer is None or any(slot is None for slot in slots):
+            return None
+        if like is not None:
+            ndim, batch_axis, channel_axis = like
+            like = (ndim, batch_axis % ndim, channel_axis % ndim)
+            if self.repeat != 1 or self.first_only or kind != "rows" or like[1] >= like[2]:
+                like = None  # only the routed rows themselves, with the batch before the channels, come shaped
+        values = [self.draws.take(group, index, kind, like) for group, index in slots]
+        if any(v is None for v in values):
+            return None
+        if self.first_only:  # a batch-independent call: its rows all take the first row's (or block's) values
+            return [v[:1] if kind == "blocks" else v[:1].expand(self.rows.shape[0], -1) for v in values]
+        if self.repeat == 1 or kind == "blocks":
+            return values
+        return [v.unsqueeze(1).expand(-1, self.repeat, -1).reshape(-1, v.shape[-1]) for v in values]
+
+
+@dataclass(frozen=True)
+class _Drawn:
+    value: Tensor
+
+
+def _spread(per_block: Tensor, blocks: tuple[Block, ...]) -> Tensor:
+    """``[blocks, F]`` -> ``[rows, F]``: each block's value on each of its rows."""
+    sizes = [b - a for a, b in blocks]
+    if len(set(sizes)) == 1:
+        return per_block[:, None].expand(len(blocks), sizes[0], per_block.shape[-1]).reshape(-1, per_block.shape[-1])
+    return torch.cat([v.expand(n, -1) for v, n in zip(per_block[:, None], sizes)])

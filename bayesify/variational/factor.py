@@ -14,7 +14,7 @@ from bayesify.variational.divergence import KLTerm, kl_divergence
 from bayesify.variational.store import TableGroup
 
 if TYPE_CHECKING:
-    from bayesify.config import Rank1Config
+    from bayesify.config import LayerOptions
 
 __all__ = ["Rank1Factor", "sample_factors"]
 
@@ -28,10 +28,11 @@ class Rank1Factor(nn.Module):
 
     Args:
         features: length of the factor (input channels for s, output channels for r).
-        config: the conversion's options (posterior, prior, initialisation, clipping).
+        components: K, the model's number of mixture components.
+        options: its layer's options (posterior, prior, initialisation, clipping: ``Rank1Config.layer_options()``).
 
     Example:
-        >>> factor = Rank1Factor(16, Rank1Config(components=4))
+        >>> factor = Rank1Factor(16, 4, Rank1Config().layer_options())
         >>> factor.sample(torch.tensor([0, 3, 3]), noise=True).shape
         torch.Size([3, 16])
     """
@@ -39,18 +40,19 @@ class Rank1Factor(nn.Module):
     def __init__(
         self,
         features: int,
-        config: Rank1Config,
+        components: int,
+        options: LayerOptions,
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.features = features
-        self.config = config
+        self.options = options
         self.rank1_slot: tuple[TableGroup, int] | None = None  # (group, slot) in its model's groups drawn together
-        shape = (config.components, features)
+        shape = (components, features)
         self.loc = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
-        if config.posterior is Posterior.DELTA:
+        if options.posterior is Posterior.DELTA:
             self.register_parameter("rho", None)
         else:
             self.rho = nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
@@ -68,7 +70,7 @@ class Rank1Factor(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        cfg = self.config
+        cfg = self.options
         identity = cfg.identity
         if cfg.init is Init.PRESERVE:
             self.loc.fill_(identity)
@@ -100,20 +102,20 @@ class Rank1Factor(nn.Module):
     def kl_term(self) -> KLTerm | None:
         """This factor's piece of the model's KL (None for a delta posterior). A factor in a group also names
         its ``(group, slot)``, so a model's KL joins a whole group in one op."""
-        cfg = self.config
+        cfg = self.options
         if cfg.posterior is Posterior.DELTA:
             return None
         group, slot = self.rank1_slot if self.packed else (None, None)
-        return KLTerm(cfg.posterior, cfg.prior, cfg.prior_mean, cfg.resolved_prior_std(), self.loc, self.rho, group, slot)
+        return KLTerm(cfg.posterior, cfg.prior, cfg.prior_mean, cfg.prior_std, self.loc, self.rho, group, slot)
 
     def kl_divergence(self) -> Tensor:
         """KL to the prior, summed over components and entries (as the reference)."""
-        cfg = self.config
-        return kl_divergence(cfg.posterior, self.loc, self.scale, cfg.prior, cfg.prior_mean, cfg.resolved_prior_std())
+        cfg = self.options
+        return kl_divergence(cfg.posterior, self.loc, self.scale, cfg.prior, cfg.prior_mean, cfg.prior_std)
 
     def extra_repr(self) -> str:
-        cfg = self.config
-        return f"components={cfg.components}, features={self.features}, posterior={cfg.posterior}, prior={cfg.prior}"
+        cfg = self.options
+        return f"components={self.loc.shape[0]}, features={self.features}, posterior={cfg.posterior}, prior={cfg.prior}"
 
 
 def sample_factors(factors: Sequence[Rank1Factor], rows: Tensor, noise: bool) -> list[Tensor]:
@@ -126,7 +128,7 @@ def sample_factors(factors: Sequence[Rank1Factor], rows: Tensor, noise: bool) ->
     """
     first = factors[0]
     if any(
-        f.config.posterior is not first.config.posterior or f.config.clip != first.config.clip or f.loc.dtype != first.loc.dtype
+        f.options.posterior is not first.options.posterior or f.options.clip != first.options.clip or f.loc.dtype != first.loc.dtype
         for f in factors
     ):
         return [f.sample(rows, noise) for f in factors]
@@ -135,9 +137,9 @@ def sample_factors(factors: Sequence[Rank1Factor], rows: Tensor, noise: bool) ->
     if not noise or first.rho is None:
         return list(loc.split(sizes, 1))
     raw = torch.cat([f.rho for f in factors], 1) if len(factors) > 1 else first.rho
-    value = distributions.rsample(first.config.posterior, loc, F.embedding(rows, distributions.scale(raw)))
-    if first.config.clip is not None:
+    value = distributions.rsample(first.options.posterior, loc, F.embedding(rows, distributions.scale(raw)))
+    if first.options.clip is not None:
         # reference: heavy tails clipped to [-10, 10]. hardtanh is that clamp with a one-op backward (clamp's
         # takes six); they differ only at exactly +-clip, where hardtanh passes no gradient
-        value = F.hardtanh(value, -first.config.clip, first.config.clip)
+        value = F.hardtanh(value, -first.options.clip, first.options.clip)
     return list(value.split(sizes, 1))

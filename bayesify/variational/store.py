@@ -23,8 +23,8 @@ tables are not alike at a pass (one cast on its own, a sharded ``DTensor`` under
 not drawn ahead: its layers then draw their own tables, the same values by another path.
 
 **Checkpoints.** Release 0.3 kept every group as two flat Parameters on the root, ``rank1_store_<i>_loc`` /
-``_rho``; their checkpoints are split onto the layers' own keys when loaded (:func:`load_store`, the root's
-load pre-hook, which also refuses a checkpoint of another number of components in one line).
+``_rho``; their checkpoints are split onto the layers' own keys when loaded (:func:`load_tables`, what the root's
+load pre-hook does, which also refuses a checkpoint of another number of components in one line).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from bayesify.options import Posterior
 from bayesify.variational import distributions
 
 if TYPE_CHECKING:
-    from bayesify.config import Rank1Config
+    from bayesify.config import LayerOptions
 
-__all__ = ["FactorStore", "TableGroup", "load_store", "pack", "remove", "slots_of"]
+__all__ = ["TableGroup", "load_tables", "pack", "slots_of"]
 
 FACTOR, OFFSET = "factor", "offset"
 
@@ -79,25 +79,25 @@ class TableGroup:
     """Tables of one kind (see the module doc), held by their own modules and joined per pass.
 
     Args:
-        kind: ``"factor"`` (sampled from its posterior; ``config`` says how) or ``"offset"`` (a bias offset:
+        kind: ``"factor"`` (sampled from its posterior; ``options`` says how) or ``"offset"`` (a bias offset:
             taken as it is).
-        config: the options the factors were converted with (posterior, prior, clipping); None for offsets.
+        options: the options the factors were made with (posterior, prior, clipping); None for offsets.
         members: ``(module, name)`` of each table, in column order: a factor module and ``""`` (its ``loc``
             and ``rho``), or a layer and the name of its bias-offset Parameter.
         names: each table's checkpoint key, relative to the root (``"layer1.0.conv1.rank1_s"``,
             ``"layer1.0.conv1.rank1_bias"``): how a release-0.3 checkpoint's columns map onto them.
-        index: the group's number in the root's store (release 0.3's ``rank1_store_<index>_*`` keys).
+        key: the group's number among its model's groups (``ModelDraws.groups``), in the order they were made:
+            also release 0.3's ``rank1_store_<key>_*`` checkpoint keys.
     """
 
     def __init__(
-        self, kind: str, config: Rank1Config | None, members: Sequence[tuple[nn.Module, str]], names: Sequence[str], index: int
+        self, kind: str, options: LayerOptions | None, members: Sequence[tuple[nn.Module, str]], names: Sequence[str], key: int
     ) -> None:
         self.kind = kind
-        self.config = config
+        self.options = options
         self.members = tuple(members)
         self.names = tuple(names)
-        self.index = index
-        self.key = -1  # its number among the groups its model's router draws (set by convert)
+        self.key = key
         self.sizes = tuple(self._tensor(slot, "loc").shape[1] for slot in range(len(self.members)))
         starts, total = [], 0
         for size in self.sizes:
@@ -118,7 +118,7 @@ class TableGroup:
     @property
     def sampled(self) -> bool:
         """Whether its tables are drawn from a posterior with a scale (not offsets, not delta)."""
-        return self.kind == FACTOR and self.config is not None and self.config.posterior is not Posterior.DELTA
+        return self.kind == FACTOR and self.options is not None and self.options.posterior is not Posterior.DELTA
 
     def tables(self, name: str = "loc") -> list[Tensor | None]:
         """Every table's ``loc`` (or ``rho``), as its module holds it now."""
@@ -171,12 +171,12 @@ class TableGroup:
         value = loc if components is None else F.embedding(components, loc)
         if noise and self.sampled:
             assert scale is not None, "a sampled draw needs the posterior scale"
-            config = self.config
-            value = distributions.rsample(config.posterior, value, scale if components is None else F.embedding(components, scale))
-            if config.clip is not None:
+            options = self.options
+            value = distributions.rsample(options.posterior, value, scale if components is None else F.embedding(components, scale))
+            if options.clip is not None:
                 # reference: heavy tails clipped to [-10, 10]. hardtanh is that clamp with a one-op backward (clamp's
                 # takes six); they differ only at exactly +-clip, where hardtanh passes no gradient
-                value = F.hardtanh(value, -config.clip, config.clip)
+                value = F.hardtanh(value, -options.clip, options.clip)
         return value
 
     def noise(self, rows: int) -> Tensor | None:
@@ -187,7 +187,7 @@ class TableGroup:
         if not self.sampled or first is None:
             return None
         like = torch.empty((rows, sum(self.sizes)), dtype=first.dtype, device=first.device)
-        return distributions.noise(self.config.posterior, like)
+        return distributions.noise(self.options.posterior, like)
 
     def draw_one(self, slot: int, components: Tensor | None, eps: Tensor) -> Tensor:
         """Table ``slot``'s values per entry of ``components`` from its columns of :meth:`noise`: what
@@ -197,9 +197,9 @@ class TableGroup:
         if components is not None:
             loc, scale = F.embedding(components, loc), F.embedding(components, scale)
         start = self.starts[slot]
-        value = distributions.rsample(self.config.posterior, loc, scale, eps[:, start : start + self.sizes[slot]])
-        if self.config.clip is not None:
-            value = F.hardtanh(value, -self.config.clip, self.config.clip)
+        value = distributions.rsample(self.options.posterior, loc, scale, eps[:, start : start + self.sizes[slot]])
+        if self.options.clip is not None:
+            value = F.hardtanh(value, -self.options.clip, self.options.clip)
         return value
 
     def take(self, value: Tensor, slots: Sequence[int] | None = None, like: tuple | None = None) -> dict[int, Tensor]:
@@ -238,33 +238,14 @@ class TableGroup:
         return state
 
     def __repr__(self) -> str:
-        posterior = "" if self.config is None or self.kind == OFFSET else f", posterior={self.config.posterior}"
+        posterior = "" if self.options is None or self.kind == OFFSET else f", posterior={self.options.posterior}"
         return f"TableGroup({self.kind}, tables={len(self.sizes)}, columns={sum(self.sizes)}{posterior})"
 
 
-class FactorStore(list):
-    """The :class:`TableGroup` s of one converted model (``root.__dict__["rank1_store"]``)."""
-
-    load_hook: int | None = None  # id of the root's load_state_dict pre-hook (see load_store)
-
-
-def store_of(root: nn.Module) -> FactorStore | None:
-    """The groups of a converted root (None if it has none)."""
-    return root.__dict__.get("rank1_store")
-
-
-def load_store(
-    owner: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: dict[str, Any],
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
-) -> None:
-    """Load pre-hook of a converted root: a checkpoint of release 0.3 mapped onto the layers' own keys, and a
-    checkpoint of another number of components refused in one line.
+def load_tables(groups: Sequence[TableGroup], state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+    """What a converted root's load pre-hook does (``model_state.py`` installs it) for its ``groups``: a checkpoint
+    of release 0.3 mapped onto the layers' own keys, and a checkpoint of another number of components refused in
+    one line.
 
     * release 0.3's flat keys (``rank1_store_<i>_loc`` / ``_rho``, ``[K, total]``): split by columns onto the
       keys of the tables they hold (``layer1.0.conv1.rank1_s.loc``, ...) and removed;
@@ -274,23 +255,20 @@ def load_store(
     ``state_dict`` is torch's own copy of the caller's dict, so changing it here changes nothing of the caller's.
     The layers' own pre-hooks then keep the current rank-1 values of a checkpoint of the unconverted network.
     """
-    store = store_of(owner)
-    if store is None:
-        return
-    for group in store:
+    for group in groups:
         for name in ("loc", "rho") if group.kind == FACTOR else ("loc",):
-            flat = state_dict.pop(f"{prefix}rank1_store_{group.index}_{name}", None)
+            flat = state_dict.pop(f"{prefix}rank1_store_{group.key}_{name}", None)
             if flat is None:
                 continue
             if not isinstance(flat, Tensor) or flat.dim() != 2 or flat.shape[1] != sum(group.sizes):
                 error_msgs.append(
-                    f"{prefix}rank1_store_{group.index}_{name} (release 0.3's flat store) has shape "
+                    f"{prefix}rank1_store_{group.key}_{name} (release 0.3's flat store) has shape "
                     f"{tuple(getattr(flat, 'shape', ()))}, not [K, {sum(group.sizes)}]: it was saved from another network"
                 )
                 continue
             for slot, piece in enumerate(flat.split(group.sizes, 1)):
                 state_dict.setdefault(_key(group, slot, name, prefix), piece)
-    wrong = _wrong_components(store, state_dict, prefix)
+    wrong = _wrong_components(groups, state_dict, prefix)
     if wrong is not None:  # raised before anything is copied: the root's pre-hook runs first
         raise ValueError(
             f"the checkpoint holds a model converted with components={wrong[0]}, and this model has "
@@ -304,9 +282,9 @@ def _key(group: TableGroup, slot: int, name: str, prefix: str) -> str:
     return f"{stem}.{name}" if group.kind == FACTOR else stem
 
 
-def _wrong_components(store: FactorStore, state_dict: dict[str, Any], prefix: str) -> tuple[int, int] | None:
+def _wrong_components(groups: Sequence[TableGroup], state_dict: dict[str, Any], prefix: str) -> tuple[int, int] | None:
     """``(the checkpoint's K, the model's K)`` where a table of the checkpoint has another K; else None."""
-    for group in store:
+    for group in groups:
         for slot in range(len(group.sizes)):
             value = state_dict.get(_key(group, slot, "loc", prefix))
             if isinstance(value, Tensor) and value.dim() == 2:
@@ -317,15 +295,15 @@ def _wrong_components(store: FactorStore, state_dict: dict[str, Any], prefix: st
 
 
 def _factor_key(factor: nn.Module) -> tuple:
-    cfg, loc = factor.config, factor.loc
-    prior_std = cfg.resolved_prior_std() if cfg.posterior is not Posterior.DELTA else None
-    return (FACTOR, cfg.components, cfg.posterior, cfg.prior, cfg.prior_mean, prior_std, cfg.clip, loc.dtype, loc.device)
+    options, loc = factor.options, factor.loc
+    prior_std = options.prior_std if options.posterior is not Posterior.DELTA else None
+    return (FACTOR, loc.shape[0], options.posterior, options.prior, options.prior_mean, prior_std, options.clip, loc.dtype, loc.device)
 
 
-def pack(root: nn.Module, layers: Iterable[nn.Module]) -> list[TableGroup]:
-    """Put the factors and bias offsets of ``layers`` (converted, in no group yet) into new groups of ``root``'s
-    store (created if absent). The tables stay where they are; each learns its ``(group, slot)``. Returns the
-    new groups."""
+def pack(root: nn.Module, layers: Iterable[nn.Module], groups: list[TableGroup]) -> None:
+    """Put the factors and bias offsets of ``layers`` (converted, in no group yet) into new groups appended to
+    ``groups`` (the model's: ``ModelDraws.groups``; ``root`` names the tables). The tables stay where they are;
+    each learns its ``(group, slot)``."""
     factors: dict[tuple, list[nn.Module]] = {}
     offsets: dict[tuple, list[tuple[nn.Module, str]]] = {}
     for layer in layers:
@@ -342,36 +320,19 @@ def pack(root: nn.Module, layers: Iterable[nn.Module]) -> list[TableGroup]:
         name = names.get(id(module), "")
         return ".".join(n for n in (name, attr) if n)
 
-    store = store_of(root)
-    if store is None and (factors or offsets):
-        store = root.__dict__["rank1_store"] = FactorStore()
-        store.load_hook = root.register_load_state_dict_pre_hook(load_store).id
-    groups = []
     for members in factors.values():
-        group = TableGroup(FACTOR, members[0].config, [(f, "") for f in members], [key(f) for f in members], len(store))
+        group = TableGroup(FACTOR, members[0].options, [(f, "") for f in members], [key(f) for f in members], len(groups))
         for slot, factor in enumerate(members):
             factor.rank1_slot = (group, slot)
-        store.append(group)
         groups.append(group)
     for members in offsets.values():
-        group = TableGroup(OFFSET, None, members, [key(layer, name) for layer, name in members], len(store))
+        group = TableGroup(OFFSET, None, members, [key(layer, name) for layer, name in members], len(groups))
         for slot, (layer, name) in enumerate(members):
             layer.rank1_state.packed[name] = (group, slot)
-        store.append(group)
         groups.append(group)
-    return groups
 
 
 def slots_of(layer: nn.Module) -> list[tuple[TableGroup, int]]:
     """The ``(group, slot)`` of every table of a converted layer that is in a group."""
     slots = [factor.rank1_slot for _, factor in layer.rank1_factors() if factor.packed]
     return slots + list(layer.rank1_state.packed.values())
-
-
-def remove(root: nn.Module) -> None:
-    """Take ``root``'s groups and its load hook away (reverting a model; the tables go with their layers)."""
-    store = root.__dict__.pop("rank1_store", None)
-    if store is None:
-        return
-    if store.load_hook is not None:
-        root._load_state_dict_pre_hooks.pop(store.load_hook, None)

@@ -46,12 +46,12 @@ def release_0_3_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ``[K, total]`` entries on the root, ``rank1_store_<i>_loc`` / ``_rho``, and no per-layer ``rank1_*`` keys."""
     state = model.state_dict()
     flat = {}
-    for group in model.rank1_store:
+    for group in model.rank1_model.draws.groups:
         names = ("loc", "rho") if group.kind == "factor" else ("loc",)
         for name in names:
             keys = [f"{stem}.{name}" if group.kind == "factor" else stem for stem in group.names]
             if all(k in state for k in keys):
-                flat[f"rank1_store_{group.index}_{name}"] = torch.cat([state.pop(k) for k in keys], 1)
+                flat[f"rank1_store_{group.key}_{name}"] = torch.cat([state.pop(k) for k in keys], 1)
     return {**state, **flat}
 
 

@@ -64,7 +64,7 @@ def test_each_row_goes_through_its_own_member(family: dict) -> None:
     rows = {}
 
     def record(module: nn.Module, args: tuple) -> None:
-        rows["k"] = module.rank1_state.router.rows.clone()
+        rows["k"] = module.rank1_state.model.router.rows.clone()
 
     model[0].register_forward_pre_hook(record)
     out = model.train()(x)

@@ -32,10 +32,15 @@ def _pair(module: nn.Module, task: str = "regression") -> tuple[nn.Module, nn.Mo
     torch.manual_seed(0)
     folded = bayesify.convert(copy.deepcopy(module).to(DT), components=K, sampling="component", task=task)
     _randomise(folded)
+    return folded, _per_row(folded)
+
+
+def _per_row(folded: nn.Module) -> nn.Module:
+    """A copy of ``folded`` whose layers take the per-row path: the same routing and draws, another computation."""
     reference = copy.deepcopy(folded)
     for _, layer in bayesify.rank1_layers(reference):
-        layer.rank1_state.config = layer.rank1_config.replace(sampling="example")
-    return folded, reference
+        layer._rank1_folds = lambda draw, x, weight: False  # (an instance attribute: the copy's layers only)
+    return reference
 
 
 def _check(folded: nn.Module, reference: nn.Module, x: torch.Tensor, route: str) -> None:
@@ -119,9 +124,7 @@ def test_every_posterior_and_perturbation_agrees_with_the_reference_path(
         posterior=posterior, prior=prior, perturbation=perturbation,
     )  # fmt: skip
     _randomise(folded)
-    reference = copy.deepcopy(folded)
-    for _, layer in bayesify.rank1_layers(reference):
-        layer.rank1_state.config = layer.rank1_config.replace(sampling="example")
+    reference = _per_row(folded)
     _check(folded, reference, torch.randn(4, 3, 4, 4, dtype=DT), "tile")
 
 

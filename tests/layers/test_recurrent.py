@@ -283,7 +283,7 @@ def test_packed_samples_follow_sorted_indices() -> None:
     model = bayesify.convert(Model().to(DT), components=K, posterior="delta")
     _randomise(model)
     seen: dict[str, Tensor] = {}
-    hook = model.lstm.register_forward_pre_hook(lambda m, a: seen.update(rows=m._rank1_router.rows.clone()))
+    hook = model.lstm.register_forward_pre_hook(lambda m, a: seen.update(rows=m.rank1_state.model.router.rows.clone()))
     x = torch.randn(6, T, F_IN, dtype=DT)
     lengths = torch.tensor([2, 4, 1, 3, 4, 2])
     model.train()
@@ -474,5 +474,5 @@ def test_copy_and_pickle(layers: int, bidir: bool) -> None:
 def test_recurrent_samples_are_not_clipped() -> None:
     """As the reference LSTMCellRank1 (its dense / conv layers clip to [-10, 10], its LSTM does not)."""
     model = bayesify.convert(nn.Sequential(nn.LSTM(F_IN, H), nn.Linear(H, 2)), components=K, clip=10.0)
-    assert all(f.config.clip is None for _, f in model[0].rank1_factors())
-    assert model[1].rank1_s.config.clip == 10.0
+    assert all(f.options.clip is None for _, f in model[0].rank1_factors())
+    assert model[1].rank1_s.options.clip == 10.0

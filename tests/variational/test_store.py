@@ -16,7 +16,7 @@ def _model() -> nn.Module:
 
 
 def _factor_group(model: nn.Module):
-    return next(g for g in model.rank1_store if g.kind == "factor")
+    return next(g for g in model.rank1_model.draws.groups if g.kind == "factor")
 
 
 def test_a_group_joins_its_layers_own_tables_and_hands_each_its_own_gradient() -> None:

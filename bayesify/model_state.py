@@ -1,0 +1,176 @@
+"""The state of one converted model: :class:`ModelState`, the counterpart of each layer's ``LayerState``.
+
+Everything bayesify keeps for a whole model is one object on the converted root, ``root.rank1_model``:
+
+* ``options``: the options every layer shares (:class:`~bayesify.config.ModelOptions`: K, ``batch_dim``,
+  ``sampling``, ``eval_noise``), frozen, one copy: layers read them from here, never a copy of their own;
+* ``task``: what the root's output means, resolved once by ``convert()``;
+* ``router``: which component each row of a pass goes through (``_router.py``: rows, blocks, tiling, splitting);
+* ``draws``: the model's groups of tables and how each pass draws them (``variational/draws.py``);
+* ``report``: what ``convert()`` left deterministic and why (:func:`bayesify.summary` reads it);
+* the hooks it installed on the root: the forward pre- and post-hooks that route each pass, the load pre-hook
+  that maps release 0.3's checkpoints, and ``no_weight_decay()``. :meth:`ModelState.detach` removes them all.
+
+One forward pass: the pre-hook asks the router for the pass's rows (:meth:`Router.begin`), then the draws for
+those rows (:meth:`ModelDraws.begin`), before any layer runs; each layer asks the router for its rows and takes
+its values from the pass's draws (``variational/draws.py``'s ``Draw``); the post-hook hands a mixture's tiled
+output to the task's reduction (:meth:`Router.end`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from bayesify import _weight_decay
+from bayesify._router import Router
+from bayesify.config import ModelOptions
+from bayesify.predictive.tasks import Auto, Task
+from bayesify.variational import store
+from bayesify.variational.draws import ModelDraws
+
+__all__ = [
+    "ConversionReport", "ModelState", "Skip", "SkipKind", "find_root", "is_root", "model_state", "split_output",
+]  # fmt: skip
+
+ATTRIBUTE = "rank1_model"  # where the root holds its ModelState (in its __dict__: not a submodule)
+
+
+class SkipKind(str, Enum):
+    """Why a weight-bearing module stayed deterministic."""
+
+    NO_LAYER_CLASS = "no_layer_class"  # nothing in the mapping converts it (it may or may not be a linear map)
+    EMBEDDING = "embedding"  # an embedding, deterministic unless embeddings=True
+    NOT_INCLUDED = "not_included"
+    EXCLUDED = "excluded"
+    ADDED_LATER = "added_later"  # not there at conversion time
+
+
+@dataclass(frozen=True)
+class Skip:
+    kind: SkipKind
+    message: str
+
+    @property
+    def guessed(self) -> bool:
+        """A static guess (it has a matrix and no layer class), not the user's choice: a probe may overrule it."""
+        return self.kind in (SkipKind.NO_LAYER_CLASS, SkipKind.ADDED_LATER)
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`~bayesify.convert` left deterministic and why (read by :func:`bayesify.summary`)."""
+
+    skipped: dict[str, Skip] = field(default_factory=dict)
+
+
+@dataclass
+class ModelState:
+    """Everything bayesify keeps for one converted model (``root.rank1_model``; see the module doc)."""
+
+    options: ModelOptions
+    task: Task = field(default_factory=Auto)  # Auto: nobody said, and the model states nothing (predictive/tasks.py)
+    router: Router = None  # type: ignore[assignment]  # (made from the options in __post_init__)
+    draws: ModelDraws = None  # type: ignore[assignment]
+    report: ConversionReport = field(default_factory=ConversionReport)
+    handles: list[RemovableHandle] = field(default_factory=list)  # the hooks attach() installed on the root
+
+    def __post_init__(self) -> None:
+        if self.router is None:
+            self.router = Router(self.options)
+        if self.draws is None:
+            self.draws = ModelDraws(self.options.components)
+
+    @property
+    def components(self) -> int:
+        """K, the number of mixture components."""
+        return self.options.components
+
+    @property
+    def root(self) -> nn.Module | None:
+        """The converted root (None before its first pass after a copy)."""
+        return self.router.root
+
+    # ---- the hooks on the root ------------------------------------------------------------------
+
+    def attach(self, root: nn.Module, *, root_layout: bool = False) -> None:
+        """Install this state on ``root`` with its hooks. ``root_layout``: the root is a converted layer, which
+        states where the batch lies in its inputs and outputs (the layer contract's ``rank1_batch_axis`` ...)."""
+        self.router.bind(root, root_layout=root_layout)
+        root.__dict__[ATTRIBUTE] = self
+        self.handles = [
+            root.register_forward_pre_hook(_pre_hook, with_kwargs=True),
+            root.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
+            root.register_load_state_dict_pre_hook(_load_hook),
+        ]
+        _weight_decay.install(root)  # timm's optimizer factory: no weight decay on the rank-1 parameters
+
+    def detach(self, root: nn.Module) -> None:
+        """Remove what :meth:`attach` installed on ``root``, and this state itself."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        _weight_decay.remove(root)
+        if root.__dict__.get(ATTRIBUTE) is self:
+            del root.__dict__[ATTRIBUTE]
+
+    def begin(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Before the root's forward: route the pass, then draw every group of tables for its rows."""
+        args, kwargs = self.router.begin(root, args, kwargs)
+        state = self.router.state
+        state.draws = self.draws.begin(state.spec.noise, state.rows, state.block_components, state.fixed_components, state.signature)
+        return args, kwargs
+
+    def end(self, root: nn.Module, output: object) -> object:
+        """After the root's forward: the mixture's reduction of a tiled output, by the pass's task or the model's."""
+        return self.router.end(root, output, self.task)
+
+
+def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return module.__dict__[ATTRIBUTE].begin(module, args, kwargs)
+
+
+def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
+    return module.__dict__[ATTRIBUTE].end(module, output)
+
+
+def _load_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs): see variational/store.load_tables
+    store.load_tables(module.__dict__[ATTRIBUTE].draws.groups, state_dict, prefix, error_msgs=args[-1])
+
+
+def is_root(module: nn.Module) -> bool:
+    """Whether ``module`` carries the routing hooks of a converted model."""
+    return any(h is _pre_hook for h in module._forward_pre_hooks.values())
+
+
+def find_root(model: nn.Module) -> nn.Module:
+    """The module carrying the routing hooks of a converted model (also through wrappers such as DDP)."""
+    for module in model.modules():
+        if is_root(module):
+            return module
+    raise ValueError(
+        f"{type(model).__name__} is not a converted model (no rank-1 routing found); call bayesify.convert(model) first."
+    )
+
+
+def model_state(model: nn.Module) -> ModelState:
+    """The :class:`ModelState` of a converted model (also through wrappers such as DDP), or of the converted
+    layers inside a module that holds some of them without their root (a sub-module, a traced feature extractor)."""
+    for module in model.modules():
+        if is_root(module):
+            return module.__dict__[ATTRIBUTE]
+        layer_state = module.__dict__.get("rank1_state")
+        if layer_state is not None:
+            return layer_state.model
+    return find_root(model).__dict__[ATTRIBUTE]  # (raises: not converted)
+
+
+def split_output(model: nn.Module, output: Any) -> Any:
+    """The last tiled forward's ``output`` of ``model`` with a member axis in front of each batched leaf."""
+    root = find_root(model)
+    return root.__dict__[ATTRIBUTE].router.split(root, output)
