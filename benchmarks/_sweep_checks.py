@@ -1,6 +1,6 @@
 """The architecture sweep's shared logic: which models, at which input size, and what must hold.
 
-Used by ``tests/test_sweep.py`` (a deterministic sample in CI, everything with
+Used by ``tests/benchmarks/test_sweep.py`` (a deterministic sample in CI, everything with
 ``BAYESIFY_SWEEP=all``) and by ``benchmarks/sweep.py --all`` (every model, one worker
 subprocess per shard). One model is one *spec*: ``"timm/<name>"`` or ``"torchvision/<name>"``.
 

@@ -258,7 +258,16 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
             if peer is not None:
                 peer.to(device)  # dnn_to_bnn makes its new layers on the CPU
                 steps["peer"] = make_step(peer, x, y, kl=get_kl_loss, **train_options)
-    seconds = dict(zip(steps, time_steps(list(steps.values()), args.repeats)))
+    if args.compile:
+        # compile times: each rank-1 step compiles first, so its yardstick reuses any kernel it made (an upper bound
+        # on the ratio), and nothing comes from an earlier run's cache on disk
+        import torch._inductor.config
+
+        torch._inductor.config.force_disable_caches = True
+        steps = dict(sorted(steps.items(), key=lambda item: item[0].startswith("det")))
+    first: list[float] = []
+    seconds = dict(zip(steps, time_steps(list(steps.values()), args.repeats, first)))
+    first_call = dict(zip(steps, first))  # compiled: the compilation (and one step)
     trained = [n for n in ("det@B", "det@KB", "sample", "tile") if n in steps]
     memory = {} if args.compile else {n: held_activation_bytes(steps[n]) for n in trained}
     # ops dispatched per step, after the timing's warm-up (a compiled step's ops run inside its graph: not counted)
@@ -288,6 +297,13 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
             [title, f"evaluation, mixture of {k}", "det at K*B", ratio("mixture", "det eval@KB"), count("mixture", "det eval@KB"),
              "-", f"{seconds['det eval@KB'] * 1e3:.0f} / {seconds['mixture'] * 1e3:.0f}"],
         ]  # fmt: skip
+    if args.compile:  # what compiling costs, against compiling the original (the first call of each; an upper bound)
+        pairs = [("sample", "det@B", "training step, default route"), ("tile", "det@KB", "training step, tiled route"),
+                 ("mixture", "det eval@KB", f"evaluation, mixture of {k}")]  # fmt: skip
+        for a, b, figure in pairs:
+            if a in steps:
+                rows.append([title, f"compile time, {figure}", b.replace("@", " at ").replace("KB", "K*B"),
+                             f"{first_call[a] / first_call[b]:.2f}", "-", "-", f"{first_call[b]:.0f} / {first_call[a]:.0f} s"])  # fmt: skip
     if "delta" in steps:
         rows.append([title, "BatchEnsemble training step", "det at B", ratio("delta", "det@B"), "-", "-", f"{seconds['delta'] * 1e3:.0f}"])
     if "peer" in steps:

@@ -1,7 +1,7 @@
 """Convert and check every timm architecture and every torchvision classifier.
 
     .venv/bin/python benchmarks/sweep.py --all                  # everything (make sweep): hours on one core
-    .venv/bin/python benchmarks/sweep.py --sample               # the CI sample that tests/test_sweep.py runs
+    .venv/bin/python benchmarks/sweep.py --sample               # the CI sample that tests/benchmarks/test_sweep.py runs
     .venv/bin/python benchmarks/sweep.py --models 'timm/resnet*' 'torchvision/vit_*'
     .venv/bin/python benchmarks/sweep.py --all --resume runs/sweep-20250101-120000.jsonl
     .venv/bin/python benchmarks/sweep.py --summarize runs/sweep-20250101-120000.jsonl
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--all", action="store_true", help="every timm architecture and torchvision classifier")
-    which.add_argument("--sample", action="store_true", help="the CI sample of tests/test_sweep.py")
+    which.add_argument("--sample", action="store_true", help="the CI sample of tests/benchmarks/test_sweep.py")
     which.add_argument("--models", nargs="+", metavar="GLOB", help="specs matching these globs, e.g. 'timm/vit_*'")
     which.add_argument("--summarize", metavar="JSONL", help="only print the summary of a results file")
     which.add_argument("--worker", metavar="OPTIONS", help=argparse.SUPPRESS)

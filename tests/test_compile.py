@@ -78,3 +78,62 @@ def test_compiled_mixture_equals_eager(name: str) -> None:
     torch._dynamo.reset()
     with torch.no_grad(), bayesify.mode(model, noise=False):
         torch.testing.assert_close(torch.compile(model, backend="eager")(x), model(x))
+
+
+# ---- fullgraph: real architectures, every route, against eager (issue 27) ----------------------------------------
+
+
+def _resnet18() -> tuple[nn.Module, torch.Tensor]:
+    timm = pytest.importorskip("timm")
+    return timm.create_model("resnet18", num_classes=5, pretrained=False), torch.randn(4, 3, 32, 32)
+
+
+def _vit_tiny() -> tuple[nn.Module, torch.Tensor]:
+    return _vit(), torch.randn(4, 3, 32, 32)
+
+
+class _GPT2(nn.Module):
+    """A 2-layer Hugging Face GPT-2 language model returning its logits ``[B, T, V]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+        self.gpt = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.gpt(tokens).logits
+
+
+def _gpt2() -> tuple[nn.Module, torch.Tensor]:
+    return _GPT2(), torch.randint(0, 64, (4, 8))
+
+
+@pytest.mark.parametrize("route", ["sample", "tile", "mixture"])
+@pytest.mark.parametrize("make", [_resnet18, _vit_tiny, _gpt2], ids=["resnet18", "vit", "gpt2"])
+def test_fullgraph_compile_of_every_route_equals_eager(make, route: str) -> None:
+    """``torch.compile(model, fullgraph=True)`` traces a converted timm ResNet / ViT and Hugging Face GPT-2 in one
+    graph per frame (no break at all), in training (default and tiled routes: outputs and every gradient) and
+    evaluation (the mixture), and gives eager's values. ``aot_eager`` traces the backward as inductor would, without
+    its code generation (minutes on the CPU): the values are the traced graph's own."""
+    base, x = make()
+    model = bayesify.convert(base, components=4, task="classification", class_axis=-1)
+    model.train(route != "mixture")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    outputs, grads = [], []
+    for forward in (model, compiled):
+        model.zero_grad()
+        torch.manual_seed(0)  # the same order of the components
+        tiled = {"route": "tile"} if route == "tile" else {}
+        with bayesify.mode(model, noise=False, **tiled), torch.set_grad_enabled(route != "mixture"):
+            out = forward(x)
+        if route != "mixture":
+            out.float().square().mean().backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        outputs.append(out.detach())
+    torch.testing.assert_close(outputs[1], outputs[0])
+    if grads:
+        assert grads[0].keys() == grads[1].keys() and any("rank1_" in n for n in grads[0])
+        for name in grads[0]:
+            torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)

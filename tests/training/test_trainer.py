@@ -114,3 +114,21 @@ def test_mixture_likelihood_gradient_clipping_and_the_deterministic_baseline(tmp
 def test_torch_compile_path(tmp_path, digits):
     model, results = _train(_config(tmp_path, compile=True, max_steps=2, deterministic=True), digits)
     assert results["accuracy"] >= 0.0
+
+
+@pytest.mark.parametrize("setting,compiled", [(None, False), (True, True), (False, False)])
+def test_the_step_is_compiled_by_default_on_cuda_only(tmp_path, digits, monkeypatch, setting, compiled):
+    """``compile=None`` (the default): the step is compiled on CUDA, where fusion pays, and not on the CPU (here);
+    ``--compile`` / ``--no-compile`` say so either way."""
+    from bayesify.training.config import Strategy
+    from bayesify.training.trainer import _compiles_by_default
+
+    assert TrainConfig().compile is None
+    assert _compiles_by_default(torch.device("cuda", 0), Strategy.DDP)
+    assert not _compiles_by_default(torch.device("cuda", 0), Strategy.FSDP)
+    assert not _compiles_by_default(torch.device("cpu"), Strategy.DDP)
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(model) or model)
+    config = _config(tmp_path, compile=setting, max_steps=1)
+    _train(config, digits)
+    assert bool(calls) is compiled

@@ -1,7 +1,7 @@
 """The architecture sweep: convert real timm and torchvision models and check the converter's promises.
 
-    .venv/bin/python -m pytest -m sweep tests/test_sweep.py                     # the CI sample
-    BAYESIFY_SWEEP=all .venv/bin/python -m pytest -m sweep tests/test_sweep.py  # everything (hours)
+    .venv/bin/python -m pytest -m sweep tests/benchmarks/test_sweep.py                     # the CI sample
+    BAYESIFY_SWEEP=all .venv/bin/python -m pytest -m sweep tests/benchmarks/test_sweep.py  # everything (hours)
 
 The CI sample (the default, and what ``make test`` runs): every timm model family (module file)
 once, by the first model in stable-hash order under ``CI_MAX_PARAMS`` parameters, plus every
@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("timm")
 pytest.importorskip("torchvision")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
