@@ -261,9 +261,9 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
     if args.compile:
         # compile times: each rank-1 step compiles first, so its yardstick reuses any kernel it made (an upper bound
         # on the ratio), and nothing comes from an earlier run's cache on disk
-        import torch._inductor.config
+        from torch._inductor import config as inductor_config
 
-        torch._inductor.config.force_disable_caches = True
+        inductor_config.force_disable_caches = True
         steps = dict(sorted(steps.items(), key=lambda item: item[0].startswith("det")))
     first: list[float] = []
     seconds = dict(zip(steps, time_steps(list(steps.values()), args.repeats, first)))
