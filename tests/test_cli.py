@@ -181,7 +181,7 @@ def test_weights_file_with_the_adapter_trains_resumes_and_refuses_other_groups(t
 
 
 def test_fashion_mnist_from_data_dir_trains_and_evaluates_mnist_as_ood(tmp_path, capsys):
-    from tests.test_data import _tiny_set, _write
+    from tests.zoo.test_data import _tiny_set, _write
 
     data = tmp_path / "data"
     _write(data / "FashionMNIST" / "raw", _tiny_set(n_train=40, n_test=20, seed=3))

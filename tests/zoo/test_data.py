@@ -68,7 +68,7 @@ def test_errors_name_the_value_and_the_fix(name, kwargs, message):
 
 # ---- Fashion-MNIST / MNIST: tiny idx files in torchvision's layout --------------------------------
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
