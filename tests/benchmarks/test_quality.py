@@ -157,7 +157,7 @@ def test_one_gaussian_interval_is_the_textbook_one() -> None:
 @pytest.mark.slow
 def test_fashion_mnist_tasks_report_ood_and_the_plain_loop(tmp_path: Path) -> None:
     """The Fashion-MNIST tasks on tiny idx files in torchvision's layout (no downloaded data)."""
-    from tests.test_data import _tiny_set, _write
+    from tests.zoo.test_data import _tiny_set, _write
 
     data = tmp_path / "data"
     _write(data / "FashionMNIST" / "raw", _tiny_set(n_train=200, n_test=40, seed=5))
