@@ -21,15 +21,35 @@ for evaluation. Every method is evaluated the same way: from its members.
 | ``bayesian-torch`` | ``dnn_to_bnn`` mean-field (Reparameterization), prior N(0, 1) | NLL + w(t) KL / N | 16 passes |
 
 w(t) is the linear KL warm-up of the loop (0 to 1 over the first 2/3 of the steps).
-Fine-tuning methods (``ft-*``) start from the task's pre-trained network: continued
-deterministic training, + temperature scaling, rank-1 conversion (defaults: identity at init)
-+ fine-tuning of everything, and rank-1 factors only (original weights frozen).
+
+Fine-tuning methods (``ft-*``) start from the task's pre-trained network (on the image fine-tuning
+tasks: with its new head, the same weights for every method of a seed):
+
+| key | model | training | members at evaluation |
+|---|---|---|---|
+| ``pretrained`` | the pre-trained net as it is (tasks that keep their head: ``digits-finetune``) | - | 1 |
+| ``ft-deterministic`` | the network, every parameter fine-tuned | NLL | 1 |
+| ``ft-temperature`` | ``ft-deterministic``'s run, T fitted on the validation split | - | 1 |
+| ``ft-laplace`` | laplace-torch's documented default on ``ft-deterministic``'s run: ``Laplace(net, "classification", subset_of_weights="last_layer", hessian_structure="kron")``, ``.fit`` on the fine-tuning split, ``.optimize_prior_precision(method="marglik")`` | - | 1: ``la(x, pred_type="glm", link_approx="probit")`` |
+| ``ft-laplace-all`` | the same with ``subset_of_weights="all"`` (full-network KFAC; BatchNorm's scale and shift stay at the fine-tuned values: curvlinops' KFAC has no BatchNorm) | - | 1, the same GLM probit predictive (in chunks of 2 examples: its Jacobians grow with the square of the chunk) |
+| ``ft-mc-dropout`` | the pre-trained weights in the network with ``nn.Dropout(p)`` | NLL | 16 stochastic passes |
+| ``ft-batchensemble`` | ``bayesify.convert(pretrained, posterior="delta")`` | NLL | K = 4 |
+| ``ft-ensemble`` | 4 fine-tunes of the pre-trained net (member 0: ``ft-deterministic``'s run; the others: their own new head and data order) | NLL each | 4 |
+| ``ft-rank1`` | ``bayesify.convert(pretrained)``, defaults (identity at init), everything fine-tuned | as ``rank1`` | the library's: ``model.eval()``, the K means |
+| ``ft-rank1-sampled`` | the ``ft-rank1`` run itself | - | K x M = 4 x 4 samples |
+| ``ft-rank1-factors`` | the adapter: ``convert`` + ``bayesify.freeze_base`` (and the new head trains, where there is one) | as ``rank1`` | K |
+| ``ft-rank1-factors-sampled`` | the ``ft-rank1-factors`` run itself | - | 4 x 4 samples |
+| ``ft-rank1-factors-x10`` | the adapter with its rank-1 parameters at 10x the learning rate (1e-2 in the plain loop, ``examples/finetune.py``'s rate) | as ``rank1`` | K |
+
+The Laplace rows need ``laplace-torch`` (the ``bench`` extra); where it is missing they are skipped
+with a note, as bayesian-torch's are.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -38,9 +58,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import bayesify
-from benchmarks._quality_tasks import REGRESSION, Task
+from benchmarks._quality_tasks import REGRESSION, Task, head_name
 
-__all__ = ["METHODS", "FINETUNE_METHODS", "Method", "Rank1", "device", "likelihood_loss", "set_device"]
+__all__ = [
+    "FINETUNE_METHODS", "METHODS", "OPTIONAL_METHODS", "Method", "Rank1", "device", "likelihood_loss", "set_device",
+]  # fmt: skip
 
 EVAL_SAMPLES = 16  # stochastic passes of MC dropout and bayesian-torch; K x M of rank-1 (4 x 4)
 COMPONENTS = 4
@@ -246,10 +268,10 @@ class Rank1(Method):
             kwargs.setdefault("task", "classification")
         bayesify.convert(net, **kwargs)
         if self.factors_only:
-            for p in net.parameters():
-                p.requires_grad_(False)
-            for p in bayesify.rank1_parameters(net):
-                p.requires_grad_(True)
+            bayesify.freeze_base(net)  # the README's adapter: only the rank-1 parameters train
+            if task.new_head:  # a new head was never trained: a frozen random head would predict nothing
+                for p in net.get_submodule(head_name(net)).parameters():
+                    p.requires_grad_(True)
         return net
 
     def param_groups(self, part: nn.Module) -> list[dict[str, Any]]:
@@ -387,10 +409,103 @@ class FineTuned(Method):
         return copy.deepcopy(task.pretrained[seed])
 
 
-def _bayesian_torch_available() -> bool:
+@dataclass
+class FineTunedMCDropout(MCDropout):
+    """The pre-trained weights in the network with dropout (``nn.Dropout`` and ``nn.Identity`` hold no
+    parameters: the state dicts match), fine-tuned with dropout on and evaluated with it on."""
+
+    key: str = "ft-mc-dropout"
+    label: str = "fine-tuned with MC dropout (16 samples)"
+
+    def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
+        net = task.make_net(float(knob))
+        net.load_state_dict(task.pretrained[seed].state_dict())
+        return net
+
+
+@dataclass
+class FineTunedEnsemble(DeepEnsemble):
+    """4 fine-tunes of the one pre-trained net: what a user with one pre-trained network can ensemble.
+
+    Member 0 is ``ft-deterministic``'s run; the others start from the same weights with a new head of
+    their own (where the task has a new head) and their own data order.
+    """
+
+    key: str = "ft-ensemble"
+    label: str = "ensemble of 4 fine-tunes"
+    builds_on: str | None = "ft-deterministic"
+
+    def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
+        nets = []
+        for k in range(COMPONENTS):
+            net = copy.deepcopy(task.pretrained[seed])
+            if task.new_head and k > 0:
+                torch.manual_seed(seed + 1000 * k)
+                net.get_submodule(head_name(net)).reset_parameters()
+            nets.append(net)
+        return nn.ModuleList(nets)
+
+
+@dataclass
+class Laplace(Method):
+    """laplace-torch on the deterministic fine-tune, post hoc: KFAC Hessian on the fine-tuning split, the prior
+    precision by marginal likelihood, the GLM predictive with the probit approximation (its documented default).
+
+    ``subset="all"`` is full-network KFAC: BatchNorm's affine parameters are left out (``requires_grad=False``
+    on the copy; curvlinops' KFAC supports linear and convolution layers only). Its GLM predictive takes
+    the Jacobians of every parameter for a whole chunk at once, so its memory grows with the square of the
+    chunk (a chunk of 100 ResNet-8 inputs took 23 GB): ``chunk`` keeps it small.
+    """
+
+    key: str = "ft-laplace"
+    label: str = "fine-tuned + Laplace (last layer, KFAC, marglik prior; GLM probit)"
+    builds_on: str | None = "ft-deterministic"
+    post_hoc: bool = True
+    subset: str = "last_layer"
+    chunk: int = 500
+
+    def after_training(self, model: nn.Module, task: Task) -> None:
+        from laplace import Laplace as LaplaceTorch
+        from torch.utils.data import DataLoader, TensorDataset
+
+        model.eval()
+        if self.subset == "all":
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.requires_grad_(False)
+        la = LaplaceTorch(model, "classification", subset_of_weights=self.subset, hessian_structure="kron")
+        la.fit(DataLoader(TensorDataset(task.x_train, task.y_train), batch_size=task.batch_size))
+        with warnings.catch_warnings():  # "By default `link_approx` is `probit`": it is what members() uses
+            warnings.filterwarnings("ignore", message="By default `link_approx`")
+            la.optimize_prior_precision(method="marglik")
+        model.benchmark_laplace = la  # a plain attribute: the model's parameters are la's
+
+    def members(self, model: nn.Module, x: Tensor, task: Task) -> Tensor:
+        la = model.benchmark_laplace
+
+        def predict(v: Tensor) -> Tensor:
+            with torch.no_grad():
+                probs = la(v, pred_type="glm", link_approx="probit")
+            return probs.clamp_min(1e-12).log().unsqueeze(0)  # log-probabilities: their log-softmax is themselves
+
+        return _batched(predict, x, chunk=self.chunk)
+
+    def evaluator_model(self, model: nn.Module) -> tuple[nn.Module, int] | None:
+        return None
+
+
+def _available(module: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("bayesian_torch") is not None
+    return importlib.util.find_spec(module) is not None
+
+
+def _bayesian_torch_available() -> bool:
+    return _available("bayesian_torch")
+
+
+# methods that need a package of the bench extra: key -> the package (skipped with a note where it is missing)
+OPTIONAL_METHODS = {"bayesian-torch": "bayesian-torch", "ft-laplace": "laplace-torch", "ft-laplace-all": "laplace-torch"}
 
 
 METHODS: list[Method] = [
@@ -417,9 +532,22 @@ FINETUNE_METHODS: list[Method] = [
     Pretrained(),
     FineTuned(),
     Temperature(key="ft-temperature", label="fine-tuned + temperature scaling", builds_on="ft-deterministic"),
+    *([Laplace(),
+       Laplace(key="ft-laplace-all", label="fine-tuned + Laplace (all layers, KFAC, marglik prior; GLM probit)",
+               subset="all", chunk=2)] if _available("laplace") else []),
+    FineTunedMCDropout(),
+    Rank1(key="ft-batchensemble", label="BatchEnsemble fine-tune (posterior='delta')",
+          convert_kwargs={"posterior": "delta"}, from_pretrained=True),
+    FineTunedEnsemble(),
     Rank1(key="ft-rank1", label="rank-1 conversion + fine-tuning (defaults)", from_pretrained=True),
-    Rank1(key="ft-rank1-factors", label="rank-1 factors only (original weights frozen)", from_pretrained=True,
+    Rank1(key="ft-rank1-sampled", label="rank-1 fine-tune, the same nets evaluated with 4 samples per component",
+          from_pretrained=True, eval_noise=True, builds_on="ft-rank1", post_hoc=True),
+    Rank1(key="ft-rank1-factors", label="rank-1 adapter (freeze_base; a new head trains too)", from_pretrained=True,
           factors_only=True),
+    Rank1(key="ft-rank1-factors-sampled", label="rank-1 adapter, the same nets evaluated with 4 samples per component",
+          from_pretrained=True, factors_only=True, eval_noise=True, builds_on="ft-rank1-factors", post_hoc=True),
+    Rank1(key="ft-rank1-factors-x10", label="rank-1 adapter, rank-1 parameters at 10x the learning rate",
+          from_pretrained=True, factors_only=True, factor_lr=10.0),
 ]  # fmt: skip
 
 

@@ -29,6 +29,11 @@ REGRESSION_COLUMNS = (
 )  # fmt: skip
 RELATIVE = ("nll", "ece", "c_nll", "c_ece")  # shown with their change against the deterministic baseline
 COST_COLUMNS = (("train_x", "train x"), ("eval_x", "eval x"), ("params_x", "params x"))
+# fine-tuning: the rank-1 fine-tune against what a user would do instead (issue 29's comparisons)
+SUBJECTS = ("ft-rank1", "ft-rank1-sampled")
+ALTERNATIVES = ("ft-deterministic", "ft-temperature", "ft-laplace", "ft-laplace-all", "ft-ensemble")
+COMPARED = (("nll", "NLL", -1), ("ece", "ECE", -1), ("c_nll", "cNLL", -1), ("accuracy", "acc", 1),
+            ("ood_entropy_auroc", "OOD AUROC", 1))  # fmt: skip
 
 
 def _baseline(result: dict[str, Any]) -> str:
@@ -109,6 +114,43 @@ def ood_markdown(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def comparison_markdown(result: dict[str, Any]) -> list[str]:
+    """The rank-1 fine-tune against each alternative: the change of the seed means (accuracy, OOD AUROC: the
+    difference), and in how many seeds rank-1 was better (paired by seed)."""
+    methods = result["methods"]
+    pairs = [(s, a) for s in SUBJECTS for a in ALTERNATIVES if s in methods and a in methods]
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "The rank-1 fine-tune against the alternatives: change of the mean over seeds (NLL, ECE, cNLL: relative, "
+        "lower is better; accuracy in points and OOD AUROC by entropy: difference, higher is better), and the seeds in which "
+        "rank-1 was better.",
+        "",
+        "| rank-1 | against | " + " | ".join(label for _, label, _ in COMPARED) + " |",
+        "|---" * (2 + len(COMPARED)) + "|",
+    ]
+    for subject, other in pairs:
+        mine = {r["seed"]: r for r in methods[subject]["runs"]}
+        theirs = {r["seed"]: r for r in methods[other]["runs"]}
+        seeds = sorted(set(mine) & set(theirs))
+        cells = []
+        for metric, _, sign in COMPARED:
+            paired = [(mine[s][metric], theirs[s][metric]) for s in seeds if metric in mine[s] and metric in theirs[s]]
+            if not paired:
+                cells.append("-")
+                continue
+            a, b = statistics.fmean(p[0] for p in paired), statistics.fmean(p[1] for p in paired)
+            if metric == "accuracy":
+                change = f"{100 * (a - b):+.2f} pt"
+            else:
+                change = f"{a - b:+.4f}" if sign > 0 else (f"{100 * (a / b - 1):+.0f}%" if b else "-")
+            better = sum(sign * (x - y) > 0 for x, y in paired)
+            cells.append(f"{change} ({better}/{len(paired)})")
+        lines.append(f"| `{subject}` | `{other}` | " + " | ".join(cells) + " |")
+    return lines
+
+
 def task_markdown(result: dict[str, Any]) -> str:
     """One task's section: what it is, the tuned configurations and the table."""
     table = aggregate(result)
@@ -134,6 +176,7 @@ def task_markdown(result: dict[str, Any]) -> str:
         cells = [_cell(row, k, table[base_key] if key != base_key else None) for k, _ in columns]
         cells += [_number(row[k][0]) for k, _ in COST_COLUMNS]
         lines.append(f"| {method['label']} (`{key}`) | " + " | ".join(cells) + " |")
+    lines += comparison_markdown(result)
     if _has_ood(result):
         lines += ood_markdown(result)
     plain = result.get("loop") == "plain"

@@ -16,10 +16,33 @@ trained on the rest. The test set is touched only by the final evaluation.
 | ``fashion-mnist`` | Fashion-MNIST 28x28 (55000 / 5000 / 10000; ``--max-train`` subsamples) | CNN: conv 16, pool, conv 32, pool, fc 128 | ImageNet-C corruptions x 5 (``--corruptions``, ``--shift-examples``) |
 | ``fashion-mnist-resnet`` | Fashion-MNIST | ResNet-8 style: stem 16 + pool, 3 residual stages (16, 32, 64; BatchNorm) | as ``fashion-mnist`` |
 | ``*-plain`` | the two above in the *plain* loop: Adam 1e-3 constant, no tuning, the README's recipe | as above | as above |
+| ``fashion-split-finetune`` | pre-train on Fashion-MNIST classes 0-4, fine-tune on 2000 labels of classes 5-9 (500 val; test: the 5000 test images of 5-9) | the ResNet-8, a new 5-class head | as ``fashion-mnist`` |
+| ``mnist-to-fashion-finetune`` | pre-train on MNIST (all 10 digits), fine-tune on 2000 labels of Fashion-MNIST (500 val; test: Fashion-MNIST test) | the ResNet-8, a new 10-class head | as ``fashion-mnist`` |
+| ``*-finetune-plain`` | the two above, fine-tuned in the plain loop | as above | as above |
 
 The Fashion-MNIST tasks are not in the default list (they need ``make data``; ``--data-dir``).
 They add out-of-distribution detection: the MNIST test set (10000 images) against the
 Fashion-MNIST test set, scored by ``bayesify.evaluation.evaluate(..., ood=...)``.
+
+The image fine-tuning tasks are what a user with a pretrained network and a new task with few labels
+has: the network is pre-trained deterministically (``benchmarks/quality.py``'s tuned loop: Adam 2e-3,
+cosine, batch 128, 10 epochs on every pre-training image; ``--max-pretrain`` / ``--pretrain-epochs`` shrink
+it), its last linear layer is replaced by a *new head* for the target's classes (initialised from the
+seed), and every method fine-tunes (or post-processes) that same network: one pre-training per (set,
+seed) in a run, shared by the plain and the tuned loop. Two shifts of task, both without a download
+beyond ``make data``:
+
+* a split of one set's classes (``fashion-split-finetune``): tops, trousers, pullovers, dresses and
+  coats (0-4) to pre-train on; sandals, shirts, sneakers, bags and ankle boots (5-9) to fine-tune on;
+* a transfer across sets (``mnist-to-fashion-finetune``): handwritten digits to clothes. MNIST to
+  Fashion-MNIST rather than the reverse: on MNIST 2000 labels already give ~98%, which leaves
+  little for calibration to show.
+
+Both targets are Fashion-MNIST, so the OOD set is the MNIST test set for both (for the transfer task
+that is the pre-training domain's test set: images the body knows well but the head has not seen).
+The fine-tuning labels are the first ``--max-train`` (default 2000) of a fixed shuffle of the target's
+training images, and a validation split of a quarter of that (500) is carved beside them, as a user
+with 2000 labels would keep some for validation.
 
 MC dropout is the one method whose network differs: ``make_net(p)`` puts ``nn.Dropout(p)`` after
 every hidden activation (p = 0 gives ``nn.Identity``, so every other method runs exactly the
@@ -40,7 +63,7 @@ from torch import Tensor, nn
 
 from benchmarks._quality_shifts import ShiftedSet, image_shifts, signal_shifts, table_shifts
 
-__all__ = ["DEFAULT_TASKS", "TASKS", "Scale", "Task", "build_task", "validation_view"]
+__all__ = ["DEFAULT_TASKS", "FINETUNE_TASK_METHODS", "TASKS", "Scale", "Task", "build_task", "head_name", "validation_view"]
 
 CLASSIFICATION, REGRESSION = "classification", "regression"
 
@@ -69,6 +92,12 @@ class Task:
     y_pretrain: Tensor | None = None
     pretrain_epochs: int = 0
     pretrain_lr: float = 2e-3
+    pretrain_batch_size: int | None = None  # None: batch_size
+    # the network pre-training trains (None: make_net); with new_head, its last linear layer is replaced
+    # by make_net's (a fresh head for the target's classes) before fine-tuning
+    make_pretrain_net: Callable[[float], nn.Module] | None = None
+    new_head: bool = False
+    pretrain_key: str | None = None  # tasks with the same key share their pre-trained nets (default: name)
     pretrained: dict[int, nn.Module] = field(default_factory=dict, repr=False)  # seed -> pre-trained net
     _shifts: list[ShiftedSet] | None = field(default=None, repr=False)
 
@@ -176,12 +205,12 @@ class SignalGRU(nn.Module):
         return self.head(self.drop(steps[:, -1]))
 
 
-def _fashion_cnn(mean: float, std: float, p: float) -> nn.Module:
+def _fashion_cnn(mean: float, std: float, p: float, classes: int = 10) -> nn.Module:
     return nn.Sequential(
         Standardize(mean, std),
         nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), _drop(p),
         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), _drop(p),
-        nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(), _drop(p), nn.Linear(128, 10),
+        nn.Flatten(), nn.Linear(32 * 7 * 7, 128), nn.ReLU(), _drop(p), nn.Linear(128, classes),
     )  # fmt: skip
 
 
@@ -201,7 +230,7 @@ class _DownBlock(nn.Module):
         return self.drop(torch.relu(self.shortcut(x) + self.body(x)))
 
 
-def _fashion_resnet(mean: float, std: float, p: float) -> nn.Module:
+def _fashion_resnet(mean: float, std: float, p: float, classes: int = 10) -> nn.Module:
     """ResNet-8 style for 28x28: stem conv 16 + max-pool (14x14), blocks at 16 (14x14), 32 (7x7), 64 (4x4), fc.
 
     9 convolutions (2 of them 1x1 shortcuts) with BatchNorm and a linear head: 10 layers to convert.
@@ -210,8 +239,16 @@ def _fashion_resnet(mean: float, std: float, p: float) -> nn.Module:
         Standardize(mean, std),
         nn.Conv2d(1, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
         _Block(16, p), _DownBlock(16, 32, p), _DownBlock(32, 64, p),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, classes),
     )  # fmt: skip
+
+
+def head_name(net: nn.Module) -> str:
+    """The qualified name of the network's head: its last linear layer (converted layers keep their names)."""
+    names = [name for name, m in net.named_modules() if isinstance(m, nn.Linear)]
+    if not names:
+        raise ValueError(f"{type(net).__name__} has no linear layer to serve as its head.")
+    return names[-1]
 
 
 def _mlp(features: int, outputs: int, p: float) -> nn.Module:
@@ -250,6 +287,8 @@ class Scale:
     cache_dir: Path | None = None
     data_dir: Path | None = None  # Fashion-MNIST and MNIST in torchvision's layout (make data)
     fixed_epochs: int | None = None  # --epochs: the Fashion-MNIST tasks' epochs (before ``epochs`` scales them)
+    max_pretrain: int | None = None  # --max-pretrain: the image fine-tuning tasks pre-train on the first N
+    pretrain_epochs: int | None = None  # --pretrain-epochs: their pre-training epochs (default 10)
     shift_examples: int | None = None  # --shift-examples: shifted sets from the first N test examples
     max_ood: int | None = None  # --max-ood: the first N MNIST test images as the OOD set
 
@@ -382,6 +421,72 @@ def _fashion(name: str, scale: Scale, resnet: bool, plain: bool) -> Task:
     return task
 
 
+# the methods of the image fine-tuning tasks (a new head: the pre-trained net itself predicts nothing there)
+FINETUNE_TASK_METHODS = (
+    "ft-deterministic", "ft-temperature", "ft-laplace", "ft-laplace-all", "ft-mc-dropout", "ft-batchensemble",
+    "ft-ensemble", "ft-rank1", "ft-rank1-sampled", "ft-rank1-factors", "ft-rank1-factors-x10",
+)  # fmt: skip
+FINETUNE_LABELS = 2000  # labelled fine-tuning examples (--max-train); a quarter of that again is carved for validation
+FINETUNE_EPOCHS = 10  # fine-tuning epochs (--epochs)
+PRETRAIN_EPOCHS = 10  # pre-training epochs (--pretrain-epochs)
+
+
+def _shuffled(x: Tensor, y: Tensor, limit: int | None, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """The first ``limit`` of a fixed shuffle (the idx files come in no guaranteed class order)."""
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    order = order if limit is None else order[:limit]
+    return x[order], y[order]
+
+
+def _finetune_images(name: str, scale: Scale, transfer: bool, plain: bool) -> Task:
+    """Pre-train the ResNet-8 on one image task, fine-tune it with a new head on another (see the module doc)."""
+    if scale.data_dir is None:
+        raise ValueError(f"task {name!r} needs --data-dir (Fashion-MNIST and MNIST; `make data` puts them in ./data)")
+    fashion = _torchvision_set("fashion-mnist", str(scale.data_dir))
+    mnist = _torchvision_set("mnist", str(scale.data_dir))
+    if transfer:  # digits -> clothes, every class
+        x_pre, y_pre = mnist.train.inputs, mnist.train.labels
+        x_pool, y_pool = fashion.train.inputs, fashion.train.labels
+        x_te, y_te = fashion.test.inputs, fashion.test.labels
+        classes_pre = classes = 10
+    else:  # Fashion-MNIST classes 0-4 -> 5-9 (relabelled 0-4)
+        first, test_first = fashion.train.labels < 5, fashion.test.labels < 5
+        x_pre, y_pre = fashion.train.inputs[first], fashion.train.labels[first]
+        x_pool, y_pool = fashion.train.inputs[~first], fashion.train.labels[~first] - 5
+        x_te, y_te = fashion.test.inputs[~test_first], fashion.test.labels[~test_first] - 5
+        classes_pre = classes = 5
+    x_pre, y_pre = _shuffled(x_pre, y_pre, scale.max_pretrain)
+    labels = scale.max_train or FINETUNE_LABELS
+    x_lab, y_lab = _shuffled(x_pool, y_pool, labels + labels // 4, seed=1)
+    x_tr, y_tr, x_val, y_val = _carve(x_lab, y_lab, stratify=True, fraction=len(y_lab) // 5)
+    mean, std = float(x_pre.mean()), float(x_pre.std())  # the pre-trained net's own input normalisation
+    x_te, y_te = _subset(x_te, y_te, scale.max_test)
+    x_ood, _ = _subset(mnist.test.inputs, mnist.test.labels, scale.max_ood or scale.max_test)
+    kwargs = {} if scale.image_corruptions is None else {"corruptions": scale.image_corruptions}
+    shifts = lambda x: image_shifts(x, cache_dir=scale.cache_dir, **kwargs)  # noqa: E731
+    corruptions = len(scale.image_corruptions) if scale.image_corruptions is not None else 15
+    pretrain_epochs = max(1, round((scale.pretrain_epochs or PRETRAIN_EPOCHS) * scale.epochs))
+    source = "MNIST" if transfer else "Fashion-MNIST classes 0-4"
+    return Task(
+        name, CLASSIFICATION, lambda p: _fashion_resnet(mean, std, p, classes), x_tr, y_tr, x_val, y_val, x_te, y_te,
+        shifts, epochs=max(1, round((scale.fixed_epochs or FINETUNE_EPOCHS) * scale.epochs)), batch_size=64,
+        lr_grid=(1e-4, 3e-4, 1e-3, 3e-3),
+        description=(
+            f"ResNet-8 pre-trained on {source} ({len(y_pre)} images, {pretrain_epochs} epochs), fine-tuned with a new "
+            f"{classes}-class head on {len(y_tr)} labels of " + ("Fashion-MNIST" if transfer else "Fashion-MNIST classes 5-9")
+            + f"; {corruptions} ImageNet-C corruptions x 5 severities"
+            + (f" on the first {scale.shift_examples} test images" if scale.shift_examples else "")
+            + "; OOD: MNIST test vs the target's test images"
+            + ("; plain loop (Adam 1e-3 constant, no tuning, bayesify.kl_loss warm-up)" if plain else "")
+        ),
+        x_pretrain=x_pre, y_pretrain=y_pre, pretrain_epochs=pretrain_epochs, pretrain_batch_size=128,
+        make_pretrain_net=lambda p: _fashion_resnet(mean, std, p, classes_pre), new_head=True,
+        pretrain_key=f"{'mnist' if transfer else 'fashion-0-4'}/resnet8",
+        loop="plain" if plain else "tuned", methods=FINETUNE_TASK_METHODS, x_ood=x_ood, ood_name="mnist",
+        shift_examples=scale.shift_examples,
+    )  # fmt: skip
+
+
 TASKS: dict[str, Callable[[Scale], Task]] = {
     "digits": lambda s: _digits_like("digits", s, finetune=False),
     "mnist1d-conv": lambda s: _mnist1d("mnist1d-conv", s, recurrent=False),
@@ -396,7 +501,21 @@ TASKS: dict[str, Callable[[Scale], Task]] = {
     "fashion-mnist-resnet": lambda s: _fashion("fashion-mnist-resnet", s, resnet=True, plain=False),
     "fashion-mnist-plain": lambda s: _fashion("fashion-mnist-plain", s, resnet=False, plain=True),
     "fashion-mnist-resnet-plain": lambda s: _fashion("fashion-mnist-resnet-plain", s, resnet=True, plain=True),
+    # a pre-trained net, a new head, few labels (make data; --data-dir): not in the default list
+    "fashion-split-finetune": lambda s: _finetune_images("fashion-split-finetune", s, transfer=False, plain=False),
+    "fashion-split-finetune-plain": lambda s: _finetune_images("fashion-split-finetune-plain", s, transfer=False, plain=True),
+    "mnist-to-fashion-finetune": lambda s: _finetune_images("mnist-to-fashion-finetune", s, transfer=True, plain=False),
+    "mnist-to-fashion-finetune-plain": lambda s: _finetune_images(
+        "mnist-to-fashion-finetune-plain", s, transfer=True, plain=True
+    ),
 }
+GROUPS = {
+    "fashion-mnist-all": ("fashion-mnist", "fashion-mnist-plain", "fashion-mnist-resnet", "fashion-mnist-resnet-plain"),
+    "finetune-all": (
+        "fashion-split-finetune", "fashion-split-finetune-plain", "mnist-to-fashion-finetune",
+        "mnist-to-fashion-finetune-plain",
+    ),
+}  # fmt: skip
 DEFAULT_TASKS = ("digits", "mnist1d-conv", "mnist1d-gru", "breast-cancer", "diabetes", "digits-finetune")
 
 
@@ -405,7 +524,8 @@ def validation_view(task: Task) -> Task:
 
     For studies that choose settings: they never see the test set.
     """
-    return dataclasses.replace(task, x_test=task.x_val, y_test=task.y_val, _shifts=None)
+    described = task.description + "; evaluated on the VALIDATION split (its test set is not used)"
+    return dataclasses.replace(task, x_test=task.x_val, y_test=task.y_val, _shifts=None, description=described)
 
 
 def build_task(name: str, scale: Scale) -> Task:
@@ -417,7 +537,6 @@ def build_task(name: str, scale: Scale) -> Task:
 
 
 def task_names(group: str) -> list[str]:
-    """``fashion-mnist-all``: the four Fashion-MNIST tasks; any other name: itself."""
-    if group == "fashion-mnist-all":
-        return ["fashion-mnist", "fashion-mnist-plain", "fashion-mnist-resnet", "fashion-mnist-resnet-plain"]
-    return [group]
+    """``fashion-mnist-all``: the four Fashion-MNIST tasks; ``finetune-all``: the four image fine-tuning tasks;
+    any other name: itself."""
+    return list(GROUPS.get(group, (group,)))

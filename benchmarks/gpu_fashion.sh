@@ -4,10 +4,12 @@
 #
 #     bash benchmarks/gpu_fashion.sh knobs  OUTDIR   # rank1_defaults.py: the knob study, validation split only
 #     bash benchmarks/gpu_fashion.sh report OUTDIR   # quality.py: every method, tuned and plain loops, both nets
+#     bash benchmarks/gpu_fashion.sh finetune OUTDIR # quality.py: the image fine-tuning tasks (finetune-all), every method
 #
 # Needs Fashion-MNIST and MNIST (DATA, default ./data; `make data`, or a .gpu_deps/data.tgz of data/ that is
-# unpacked to /tmp/data), and bayesian-torch and corrupt-tta importable (or their package folders under
-# .gpu_deps/). Sizes: EPOCHS (20), MAX_TRAIN (all 55000), SEEDS (3), SHIFT (2000 test images for the 15 x 5
+# unpacked to /tmp/data), and bayesian-torch, laplace-torch (with curvlinops-for-pytorch, asdfghjkl,
+# backpack-for-pytorch, einops, opt-einsum, linear-operator, unfoldNd, einconv: all pure Python) and corrupt-tta
+# importable (or their package folders under .gpu_deps/). Sizes: EPOCHS (20), MAX_TRAIN (all 55000), SEEDS (3), SHIFT (2000 test images for the 15 x 5
 # shifted sets), LIMIT (seconds per process), MAX_OOD, DEVICE (cuda; cpu for a smoke test of this script). The shifted sets are made first by precompute_shifts.py
 # on all cores. Each process writes its own report; `quality.py --merge` joins them into one.
 set -uo pipefail
@@ -57,6 +59,7 @@ if [ "$mode" = knobs ]; then
   exit 0
 fi
 
+if [ "$mode" = report ]; then
 # report: the shifted test sets first (all 15 corruptions x 5 severities of the first SHIFT test images)
 "$py" benchmarks/precompute_shifts.py --split test --data-dir "$data" --cache-dir "$cache" --shift-examples "$shift_n" \
   --workers "$workers" 2>&1 | tail -2
@@ -73,6 +76,37 @@ for task in ${TASKS:-fashion-mnist fashion-mnist-plain fashion-mnist-resnet fash
   done
 done
 wait
+fi
+
+if [ "$mode" = finetune ]; then
+  # the full budget: every pre-training image (MNIST 60000; Fashion-MNIST classes 0-4, 30000) for PRETRAIN_EPOCHS
+  # (10), LABELS (2000) fine-tuning labels for FT_EPOCHS (20), the whole test set, all 15 corruptions x 5 of the
+  # first SHIFT test images, the whole MNIST test set as OOD. The pre-trained nets are made first (one process per
+  # pre-training set) into $out/pretrained, which every process then loads: all start from the same weights.
+  # ft-laplace-all (full-network KFAC, GLM predictive) is left out by default: its predictive takes the Jacobians
+  # of every parameter a few examples at a time (~30 ms an example on one CPU thread), far over LIMIT at these
+  # sizes; add "ft-laplace-all" to FT_GROUPS to run it.
+  pre=(--pretrained-dir "$out/pretrained" --pretrain-epochs "${PRETRAIN_EPOCHS:-10}")
+  common=(--data-dir "$data" --cache-dir "$cache" --device "$device" --threads 1 --budget "${BUDGET:-2}" --seeds "$seeds"
+          --epochs "${FT_EPOCHS:-20}" --max-train "${LABELS:-2000}" "${ood[@]}" --shift-examples "$shift_n" "${pre[@]}")
+  for task in fashion-split-finetune mnist-to-fashion-finetune; do
+    "$py" benchmarks/precompute_shifts.py --task "$task" --split test --data-dir "$data" --cache-dir "$cache" \
+      --shift-examples "$shift_n" --workers "$workers" 2>&1 | tail -1
+    "$py" benchmarks/quality.py "${common[@]}" --tasks "$task" --pretrain-only >"$out/pretrain_$task.log" 2>&1 &
+  done
+  wait
+  IFS=';' read -r -a groups <<<"${FT_GROUPS:-ft-deterministic ft-temperature ft-laplace ft-ensemble;ft-mc-dropout ft-batchensemble;ft-rank1 ft-rank1-sampled;ft-rank1-factors ft-rank1-factors-x10}"
+  jsons=()
+  for task in ${TASKS:-fashion-split-finetune fashion-split-finetune-plain mnist-to-fashion-finetune mnist-to-fashion-finetune-plain}; do
+    for g in "${!groups[@]}"; do
+      dir="$out/parts/$task-$g"; mkdir -p "$dir"; jsons+=("$dir/quality.json")
+      timeout "$limit" "$py" benchmarks/quality.py "${common[@]}" --tasks "$task" --methods ${groups[$g]} --out "$dir" \
+        >"$dir/log.txt" 2>&1 &
+    done
+  done
+  wait
+fi
+
 have=(); for j in "${jsons[@]}"; do [ -s "$j" ] && have+=("$j"); done
 echo "parts with results: ${#have[@]} of ${#jsons[@]}"
 "$py" benchmarks/quality.py --merge "${have[@]}" --out "$out/merged" && tail -c 3000 "$out/merged/quality.md"

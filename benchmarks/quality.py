@@ -8,6 +8,9 @@
                                                        # two more seeds with the same settings; then --merge both
     python benchmarks/quality.py --tasks fashion-mnist-all --data-dir data --seeds 3   # Fashion-MNIST (make data)
     python benchmarks/quality.py --tasks fashion-mnist-all --data-dir data --device cuda   # the same on a GPU (auto: if any)
+    python benchmarks/quality.py --tasks finetune-all --data-dir data --seeds 3   # pre-trained ResNet-8, new head, 2000 labels
+    python benchmarks/quality.py --split val --tasks digits --methods rank1 rank1-sampled --budget 1
+                                                       # on the validation split: the study of benchmarks/eval_default.py
 
 Every method is trained by the one loop below (:func:`train`): Adam, minibatches in an order
 drawn from a generator seeded by the seed alone (so every method sees the same batches), the
@@ -30,11 +33,24 @@ bayesify.kl_loss(net, N, step=step, warmup_steps=2 * steps // 3)``, evaluated at
 deterministic run (its learning rate; T is fitted on the validation split). ``--budget 1``
 skips tuning (every method at the grid's 3rd learning rate).
 
-Evaluation is uniform: every method gives member predictions ``[S, B, out]`` (rank-1:
-``bayesify.predict(model.eval(), x, samples=4)``, K x M = 16; MC dropout and bayesian-torch: 16
-stochastic passes; ensembles: their members; deterministic: one), and the metrics are computed
+Evaluation is uniform: every method gives member predictions ``[S, B, out]`` (rank-1 at the
+library's default, the K posterior means: ``bayesify.predict(model.eval(), x)``, K = 4; the
+``*-sampled`` rows, the same nets: ``bayesify.predict(model.eval(), x, samples=4)``, K x M = 16; MC
+dropout and bayesian-torch: 16 stochastic passes; ensembles: their members; Laplace: its predictive
+probabilities; deterministic: one), and the metrics are computed
 from them (``_quality_evaluation.py``). Times are ratios to the deterministic run of the same
 task and seed in the same process; they include what else ran on the machine (see the report).
+
+Fine-tuning tasks (``digits-finetune`` and the image tasks ``finetune-all``: a pre-trained ResNet-8 with a new
+head, 2000 labels; see ``_quality_tasks.py``): every method starts from the same pre-trained net of the
+seed. It is pre-trained once per (pre-training set, seed) in a process, in the tuned loop whatever the
+task's loop (the plain and the tuned task share it), and with ``--pretrained-dir`` kept on disk, so that
+processes side by side (``benchmarks/gpu_fashion.sh finetune``) start from the very same weights
+(``--pretrain-only`` makes them and stops). Laplace (laplace-torch) is post hoc on the deterministic
+fine-tune; its training time is the fine-tune's plus its fit.
+
+``--split val`` evaluates on the validation split instead of the test set (the test set is not used);
+``benchmarks/eval_default.py`` uses it to compare evaluation at the K means with sampled evaluation.
 
 ``--device`` (cpu, cuda, auto): where the models train and predict; the training split is moved there
 once, evaluation sets go there a chunk at a time and the members come back to the CPU, where every
@@ -49,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import sys
@@ -64,9 +81,10 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/quality.py
 
 from bayesify.evaluation.metrics import member_log_probs_from_logits, negative_log_likelihood  # noqa: E402
 from benchmarks._quality_evaluation import evaluate_members, gaussian_head_metrics, ood_evaluation  # noqa: E402
-from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, Method, device, set_device  # noqa: E402
+from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, OPTIONAL_METHODS, Method, device, set_device  # noqa: E402
 from benchmarks._quality_report import write_report  # noqa: E402
-from benchmarks._quality_tasks import DEFAULT_TASKS, REGRESSION, TASKS, Scale, Task, build_task, task_names  # noqa: E402
+from benchmarks._quality_tasks import DEFAULT_TASKS, GROUPS, REGRESSION, TASKS, Scale, Task, build_task  # noqa: E402
+from benchmarks._quality_tasks import head_name, task_names, validation_view  # noqa: E402
 
 KL_WARMUP = 2 / 3  # fraction of the steps over which the KL weight rises linearly from 0 to 1
 BUDGET = 4  # validation runs per method
@@ -124,8 +142,9 @@ def fit(
     if method.post_hoc:
         base, seconds = trained[method.builds_on]
         model = copy.deepcopy(base)
-        method.after_training(model, task)
-        return model, seconds
+        start = time.perf_counter()
+        method.after_training(model, task)  # its fit (Laplace's Hessian and prior) counts with the base's training
+        return model, seconds + time.perf_counter() - start
     model = method.build(task, config.get("knob"), seed).to(device())
     seconds = 0.0
     if method.trains:
@@ -185,11 +204,45 @@ def tune(method: Method, task: Task, budget: int, trained_tuning: dict, log: Any
     return {**configs[best], "val_nll": scores, "grid": configs}
 
 
+_PRETRAINED: dict[tuple[Any, ...], nn.Module] = {}  # (pre-training set and size, epochs, lr, seed, device) -> net
+PRETRAINED_DIR: Path | None = None  # --pretrained-dir: pre-trained nets kept on disk (shared by processes)
+
+
 def pretrain(task: Task, seed: int, lr: float) -> nn.Module:
-    """The fine-tuning task's starting point: a deterministic net trained on the pre-training split."""
-    torch.manual_seed(seed)
+    """The fine-tuning task's starting point: a deterministic net trained on the pre-training split.
+
+    Trained once per (pre-training set, seed) and kept (in memory, and in ``PRETRAINED_DIR``), in the tuned
+    loop (cosine decay) whatever the task's loop: the plain and the tuned task start from the same net.
+    With ``task.new_head`` the last linear layer is then replaced by a fresh one for the target's classes,
+    initialised from the seed (the same head for every method of the seed).
+    """
+    key = (task.pretrain_key or task.name, len(task.y_pretrain), task.pretrain_epochs, lr, seed, str(device()))
+    if key not in _PRETRAINED:
+        torch.manual_seed(seed)
+        net = (task.make_pretrain_net or task.make_net)(0.0).to(device())
+        path = None if PRETRAINED_DIR is None else PRETRAINED_DIR / ("-".join(map(str, key[:5])).replace("/", "_") + ".pt")
+        if path is not None and path.exists():
+            net.load_state_dict(torch.load(path, map_location=device()))
+        else:
+            setup = dataclasses.replace(task, loop="tuned", batch_size=task.pretrain_batch_size or task.batch_size)
+            train(Method(), net, setup, task.x_pretrain, task.y_pretrain, epochs=task.pretrain_epochs, lr=lr, seed=seed + 7)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(net.state_dict(), path)
+        _PRETRAINED[key] = net
+    net = copy.deepcopy(_PRETRAINED[key])
+    return with_new_head(net, task, seed) if task.new_head else net
+
+
+def with_new_head(pretrained: nn.Module, task: Task, seed: int) -> nn.Module:
+    """``task.make_net``'s network (the target's classes) with every pre-trained weight but the head's."""
+    torch.manual_seed(seed + 11)
     net = task.make_net(0.0).to(device())
-    train(Method(), net, task, task.x_pretrain, task.y_pretrain, epochs=task.pretrain_epochs, lr=lr, seed=seed + 7)
+    head = head_name(net) + "."
+    state = {k: v for k, v in pretrained.state_dict().items() if not k.startswith(head)}
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    if unexpected or any(not k.startswith(head) for k in missing):
+        raise RuntimeError(f"{task.name}: the pre-trained net does not fit the target's: {missing}, {unexpected}")
     return net
 
 
@@ -203,8 +256,10 @@ def run_task(
     log(f"[{task.name}] {len(task.shifts())} shifted sets ready in {time.perf_counter() - start:.1f} s")
     tuned = tuned or {}
     if task.finetune:
-        for s in [*([] if tuned else [TUNING_SEED]), *seeds]:
+        t0 = time.perf_counter()
+        for s in pretrain_seeds(task, seeds, budget, tuned=bool(tuned)):
             task.pretrained[s] = pretrain(task, s, lr=task.pretrain_lr)
+        log(f"[{task.name}] pre-trained nets ready in {time.perf_counter() - t0:.1f} s")
     configs: dict[str, dict[str, Any]] = {}
     for method in methods:
         if method.key in tuned:
@@ -247,6 +302,12 @@ def run_task(
     }  # fmt: skip
 
 
+def pretrain_seeds(task: Task, seeds: list[int], budget: int, tuned: bool) -> list[int]:
+    """The seeds a fine-tuning task needs pre-trained nets for: its seeds, and the tuning seed where it tunes."""
+    tunes = not tuned and task.loop != "plain" and budget > 1
+    return [*([TUNING_SEED] if tunes else []), *seeds]
+
+
 def on_device(task: Task) -> Task:
     """Put the training split(s) on ``--device`` (the loop indexes them there); evaluation sets stay on the CPU
     (each chunk goes to the device in ``Method.members``, the members come back for the metrics)."""
@@ -259,9 +320,10 @@ def on_device(task: Task) -> Task:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=[*TASKS, "fashion-mnist-all"],
-                        help="fashion-mnist-all: the CNN and the ResNet, each in the tuned and the plain loop")  # fmt: skip
-    every = [m.key for m in METHODS + FINETUNE_METHODS]
+    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), choices=[*TASKS, *GROUPS],
+                        help="fashion-mnist-all: the CNN and the ResNet, each in the tuned and the plain loop; "
+                        "finetune-all: the two image fine-tuning tasks, each in the tuned and the plain loop")  # fmt: skip
+    every = list(dict.fromkeys([m.key for m in METHODS + FINETUNE_METHODS] + list(OPTIONAL_METHODS)))
     parser.add_argument("--methods", nargs="+", default=None, choices=every, help="default: all of a task's")
     parser.add_argument("--seeds", type=int, default=5, help="how many seeds: S .. S+N-1 (S: --seed-start)")
     parser.add_argument("--seed-start", type=int, default=0, help="the first seed (more seeds for an earlier run)")
@@ -276,8 +338,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="cpu, cuda (cuda:N) or auto: where the models train and predict (metrics: on the CPU)")  # fmt: skip
     parser.add_argument("--data-dir", type=Path, default=None,
                         help=f"Fashion-MNIST / MNIST in torchvision's layout (default: $BAYESIFY_DATA_DIR or {DEFAULT_DATA})")
-    parser.add_argument("--max-train", type=int, help="Fashion-MNIST: train on the first N of the training split")
-    parser.add_argument("--epochs", type=int, help="Fashion-MNIST: epochs (default 10)")
+    parser.add_argument("--max-train", type=int,
+                        help="Fashion-MNIST: train on the first N of the training split; image fine-tuning: N labels (2000)")  # fmt: skip
+    parser.add_argument("--epochs", type=int, help="Fashion-MNIST: epochs (default 10); image fine-tuning: its epochs (10)")
+    parser.add_argument("--max-test", type=int, help="the first N test images (Fashion-MNIST, fine-tuning tasks)")
+    parser.add_argument("--max-pretrain", type=int, help="image fine-tuning: pre-train on the first N images (all)")
+    parser.add_argument("--pretrain-epochs", type=int, help="image fine-tuning: pre-training epochs (default 10)")
+    parser.add_argument("--pretrained-dir", type=Path,
+                        help="keep the pre-trained nets here (loaded when there): processes side by side share them")  # fmt: skip
+    parser.add_argument("--pretrain-only", action="store_true", help="pre-train the tasks' nets (--pretrained-dir), stop")
+    parser.add_argument("--split", choices=("test", "val"), default="test",
+                        help="val: evaluate on the validation split instead of the test set (choosing settings)")  # fmt: skip
     parser.add_argument("--corruptions", help="Fashion-MNIST: comma-separated ImageNet-C corruptions (default: all 15)")
     parser.add_argument("--max-ood", type=int, help="Fashion-MNIST: the first N MNIST test images as OOD (default: all)")
     parser.add_argument("--shift-examples", type=int,
@@ -291,6 +362,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     torch.set_num_threads(args.threads)
     set_device(args.device)
+    global PRETRAINED_DIR
+    PRETRAINED_DIR = args.pretrained_dir
 
     import os
 
@@ -299,13 +372,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         scale = Scale(
             epochs=0.01, max_train=128, max_test=64, image_corruptions=("gaussian_noise", "brightness"), max_shifts=3,
-            data_dir=data_dir,
+            data_dir=data_dir, max_pretrain=512,
         )  # fmt: skip
         seeds, budget = [0, 1], 1
     else:
         scale = Scale(
             cache_dir=args.cache_dir, data_dir=data_dir, max_train=args.max_train, fixed_epochs=args.epochs,
             image_corruptions=corruptions, shift_examples=args.shift_examples, max_ood=args.max_ood,
+            max_test=args.max_test, max_pretrain=args.max_pretrain, pretrain_epochs=args.pretrain_epochs,
         )  # fmt: skip
         budget = args.budget
         seeds = list(range(args.seed_start, args.seed_start + args.seeds))
@@ -320,9 +394,17 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for name in [n for group in args.tasks for n in task_names(group)]:
         task = build_task(name, scale)
+        if args.split == "val":
+            task = validation_view(task)
+        if args.pretrain_only:
+            _pretrain_only(task, pretrain_seeds(task, seeds, budget, tuned=args.tuned is not None))
+            continue
         pool = FINETUNE_METHODS if task.finetune else METHODS
         wanted = args.methods if args.methods is not None else task.methods
         chosen = [m for m in pool if wanted is None or m.key in wanted]
+        optional = {k for k in OPTIONAL_METHODS if k.startswith("ft-") == task.finetune}
+        for key in sorted((set(wanted or ()) & optional) - {m.key for m in pool}):
+            print(f"[{name}] {key}: skipped, {OPTIONAL_METHODS[key]} is not installed (the bench extra)", flush=True)
         chosen = _with_dependencies(chosen, pool)
         if args.tuned is not None and name not in tuned:
             raise SystemExit(f"--tuned {args.tuned} has no task {name!r}; it has {sorted(tuned)}")
@@ -330,7 +412,19 @@ def main(argv: list[str] | None = None) -> None:
         results.append(run_task(task, chosen, seeds, budget, log=log, tuned=tuned.get(name)))
         # the report so far after every task: a long run that stops keeps what it measured
         write_report(results, args.out, command=command, seconds=time.time() - started, budget=budget)
-    print(f"wrote {args.out / 'quality.md'}")
+    if not args.pretrain_only:
+        print(f"wrote {args.out / 'quality.md'}")
+
+
+def _pretrain_only(task: Task, seeds: list[int]) -> None:
+    """``--pretrain-only``: the task's pre-trained nets of these seeds into ``--pretrained-dir``."""
+    if not task.finetune:
+        return
+    on_device(task)
+    for seed in seeds:
+        start = time.perf_counter()
+        pretrain(task, seed, lr=task.pretrain_lr)
+        print(f"[{task.name}] pre-trained seed {seed} in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def merge_reports(paths: list[Path], out: Path) -> None:
@@ -385,10 +479,10 @@ def _settings(config: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _with_dependencies(chosen: list[Method], pool: list[Method]) -> list[Method]:
-    """Add the runs a chosen method builds on (and the time baseline, the pool's first), in pool order."""
-    keys = {m.key for m in chosen} | {pool[0].key} | {m.builds_on for m in chosen if m.builds_on}
-    if any(m.key == "ft-deterministic" for m in pool):
-        keys.add("ft-deterministic")
+    """Add the runs a chosen method builds on (and the time baseline: ``ft-deterministic`` in the fine-tuning
+    pool, else the pool's first), in pool order."""
+    baseline = "ft-deterministic" if any(m.key == "ft-deterministic" for m in pool) else pool[0].key
+    keys = {m.key for m in chosen} | {baseline} | {m.builds_on for m in chosen if m.builds_on}
     return [m for m in pool if m.key in keys]
 
 

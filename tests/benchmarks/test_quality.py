@@ -241,3 +241,116 @@ def test_device_option_resolves_auto_and_refuses_a_missing_gpu() -> None:
                 set_device("cuda")
     finally:
         set_device("cpu")
+
+
+# ---- the image fine-tuning tasks (issue 29): a pre-trained ResNet-8, a new head, few labels ----------------------
+
+
+def _tiny_image_sets(root: Path) -> Path:
+    """Fashion-MNIST and MNIST as tiny idx files in torchvision's layout (labels cycle through the 10 classes)."""
+    from tests.zoo.test_data import _tiny_set, _write
+
+    data = root / "data"
+    _write(data / "FashionMNIST" / "raw", _tiny_set(n_train=400, n_test=40, seed=5))
+    _write(data / "MNIST" / "raw", _tiny_set(n_train=300, n_test=20, seed=6))
+    return data
+
+
+@pytest.fixture(scope="module")
+def finetune_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("finetune")
+    out = root / "out"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", "--tasks", "fashion-split-finetune",
+         "mnist-to-fashion-finetune-plain", "--data-dir", str(_tiny_image_sets(root)), "--out", str(out)],
+        cwd=ROOT, check=True, timeout=300, capture_output=True, text=True,
+    )  # fmt: skip
+    return out, done.stdout
+
+
+@pytest.mark.slow
+def test_image_finetune_tasks_report_every_method_with_finite_numbers(finetune_run: tuple[Path, str]) -> None:
+    from benchmarks._quality_tasks import FINETUNE_TASK_METHODS
+
+    out, stdout = finetune_run
+    report = json.loads((out / "quality.json").read_text())
+    assert [t["task"] for t in report["tasks"]] == ["fashion-split-finetune", "mnist-to-fashion-finetune-plain"]
+    available = {m.key for m in FINETUNE_METHODS}
+    expected = [k for k in FINETUNE_TASK_METHODS if k in available]
+    for key in set(FINETUNE_TASK_METHODS) - available:  # laplace-torch missing: skipped, and said so
+        assert f"{key}: skipped" in stdout
+    markdown = (out / "quality.md").read_text()
+    split, transfer = report["tasks"]
+    assert "new 5-class head" in split["description"] and "new 10-class head" in transfer["description"]
+    assert (split["loop"], transfer["loop"]) == ("tuned", "plain")
+    # --quick: 128 labels and a quarter of that again for validation; test: Fashion-MNIST classes 5-9 only
+    assert (split["num_train"], split["num_val"], split["num_test"], split["num_ood"]) == (128, 32, 20, 20)
+    assert (transfer["num_train"], transfer["num_test"]) == (128, 40)
+    for task in report["tasks"]:
+        assert list(task["methods"]) == expected, task["task"]  # not the pre-trained net: its head is new, untrained
+        assert f"## {task['task']}" in markdown and (out / f"quality_{task['task']}.png").stat().st_size > 0
+        for key, method in task["methods"].items():
+            assert [r["seed"] for r in method["runs"]] == [0, 1], (task["task"], key)
+            for run in method["runs"]:
+                for metric in ("nll", "ece", "accuracy", "c_nll", "c_accuracy", "aurc", "ood_entropy_auroc", "train_s"):
+                    assert math.isfinite(run[metric]), (task["task"], key, metric)
+                assert 0.0 <= run["accuracy"] <= 1.0 and 0.0 <= run["ood_entropy_auroc"] <= 1.0
+        for key, row in report["summary"][task["task"]].items():
+            for metric, (mean, std) in row.items():
+                assert math.isfinite(mean) and math.isfinite(std), (task["task"], key, metric)
+    # the plain loop is not tuned: Adam at 1e-3 for every method, MC dropout at its first rate
+    assert {(m["config"]["lr"], m["config"]["knob"]) for m in transfer["methods"].values()} == {(1e-3, None), (1e-3, 0.1)}
+    # the ensemble holds 4 networks; the post-hoc methods count their fit on top of the fine-tune they start from
+    summary = report["summary"]["fashion-split-finetune"]
+    assert summary["ft-ensemble"]["params_x"][0] == 4.0
+    assert summary["ft-temperature"]["train_x"][0] >= 1.0
+
+
+def test_plain_and_tuned_finetune_tasks_start_from_one_pretrained_net(tmp_path: Path) -> None:
+    """One pre-training per (set, seed), shared by the plain and the tuned task; a new head on it, from the seed."""
+    from benchmarks import quality
+    from benchmarks._quality_tasks import Scale, build_task, head_name
+
+    scale = Scale(epochs=0.1, max_train=64, data_dir=_tiny_image_sets(tmp_path), max_pretrain=128)
+    tuned, plain = build_task("fashion-split-finetune", scale), build_task("fashion-split-finetune-plain", scale)
+    a, b = quality.pretrain(tuned, 0, tuned.pretrain_lr), quality.pretrain(plain, 0, plain.pretrain_lr)
+    assert a is not b
+    for key, value in a.state_dict().items():
+        assert torch.equal(value, b.state_dict()[key]), key
+    head = head_name(a)
+    assert a.get_submodule(head).out_features == 5
+    pretrained = next(net for k, net in quality._PRETRAINED.items() if k[0] == tuned.pretrain_key and k[4] == 0)
+    fresh = tuned.make_net(0.0)
+    for key, value in a.state_dict().items():  # the body is the pre-trained one (not a fresh net's); the head is not
+        if key.startswith(head + "."):
+            assert not torch.equal(value, pretrained.state_dict()[key]), key
+        elif value.is_floating_point() and value.numel() > 1:
+            assert torch.equal(value, pretrained.state_dict()[key]), key
+            assert not torch.equal(value, fresh.state_dict()[key]) or "running" in key, key
+    other = quality.pretrain(tuned, 1, tuned.pretrain_lr)  # another seed: another pre-training and another head
+    assert not torch.equal(other.get_submodule(head).weight, a.get_submodule(head).weight)
+
+
+@pytest.mark.slow
+def test_eval_default_compares_means_and_samples_on_the_validation_split(tmp_path: Path) -> None:
+    """``eval_default.py``: ``quality.py --split val`` (the validation split as the test set), then the table."""
+    out = tmp_path / "eval_default"
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "eval_default.py"), "--quick", "--only", "finetune",
+         "--data-dir", str(_tiny_image_sets(tmp_path)), "--out", str(out)],
+        cwd=ROOT, check=True, timeout=300, capture_output=True, text=True,
+    )  # fmt: skip
+    report = json.loads((out / "finetune" / "quality.json").read_text())
+    for task in report["tasks"]:
+        assert task["num_test"] == task["num_val"] and "VALIDATION split" in task["description"]
+        assert list(task["methods"]) == [
+            "ft-deterministic", "ft-rank1", "ft-rank1-sampled", "ft-rank1-factors", "ft-rank1-factors-sampled"
+        ]  # fmt: skip
+        # the sampled rows are the same nets: the same training time, other predictions
+        runs = task["methods"]
+        sampled = [r["train_s"] for r in runs["ft-rank1-sampled"]["runs"]]
+        assert sampled == pytest.approx([r["train_s"] for r in runs["ft-rank1"]["runs"]], abs=0.01)
+    table = (tmp_path / "eval_default.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "`ft-rank1" in line]
+    assert len(rows) == 8  # 4 tasks x (full fine-tune, adapter)
+    assert "nan" not in table and "python benchmarks/quality.py --split val" in table
