@@ -124,7 +124,7 @@ def write(reports: list[dict[str, Any]], out: Path, command: str) -> None:
     lines = [
         "# Evaluation at the K means or sampled: validation splits of every task",
         "",
-        f"Command: `{command}`, which ran (each writes its own report beside this file):",
+        f"Command: `{command}`; the runs (each wrote its own report, in the folder of this file's name):",
         "",
         *(f"- `{report['command']}` ({report['seconds'] / 60:.1f} min)" for report in reports),
         "",
@@ -135,8 +135,10 @@ def write(reports: list[dict[str, Any]], out: Path, command: str) -> None:
         "with K x M = 4 x 4 posterior samples (`bayesify.predict(model.eval(), x, samples=4)`), on each task's "
         "validation split (and its shifted copies; OOD: MNIST test images). `rank1`: converted from scratch; "
         "`ft-rank1`: a pre-trained net converted and fully fine-tuned; `ft-rank1-factors`: the adapter "
-        "(`freeze_base`). NLL, ECE, cNLL: lower is better; OOD AUROC: higher. \"sampled better\": the seeds in which "
-        "the sampled evaluation was better. Percentages: sampled against the means.",
+        "(`freeze_base`). Loops: `tuned` is the benchmark's loop (cosine decay) at its grid's 3rd learning rate, not "
+        "tuned (`--budget 1`: nothing is chosen on the split it is scored on); `plain` is Adam at 1e-3, constant, with "
+        "the README's `convert` + `kl_loss` recipe. NLL, ECE, cNLL: lower is better; OOD AUROC: higher. "
+        "\"sampled better\": the seeds in which the sampled evaluation was better. Percentages: sampled against the means.",
         "",
         table(reports),
         "",
