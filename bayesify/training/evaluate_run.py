@@ -168,15 +168,8 @@ def evaluate_run(
     names = None if corruptions is None else parse_corruptions(corruptions)
     severities = parse_severities(severities)
     device = resolve_device(device)
-    run = open_run(out_dir, device=device, data_dir=data_dir)
-    if names is not None and run.data.kind is not DataKind.IMAGE:
-        raise ValueError(
-            f"--corruptions applies to image data; {run.config.data} is {run.data.kind} data "
-            "(evaluate without --corruptions)."
-        )
-    runs = [run]
-    if baseline is not None:
-        runs.insert(0, _load_baseline(baseline, run, device))
+    runs = _open_runs(out_dir, baseline, names is not None, device, data_dir)
+    run = runs[-1]
     test = run.data.test
     if max_examples is not None:
         test = Subset(test, range(min(max_examples, len(test))))
@@ -204,6 +197,43 @@ def evaluate_run(
         "ood_set": ood_description,
     }
     files = _write_plots(runs, clean, corrupted)
+    results = _results(runs, clean, corrupted, settings, has_baseline=baseline is not None)
+    _write_report(runs, results, files, settings)
+    return results
+
+
+def _open_runs(
+    out_dir: str | os.PathLike,
+    baseline: str | os.PathLike | None,
+    corrupt: bool,
+    device: torch.device,
+    data_dir: str | os.PathLike | None,
+) -> list[LoadedRun]:
+    """The run of ``out_dir``, after its baseline when there is one (the order every helper below expects)."""
+
+    run = open_run(out_dir, device=device, data_dir=data_dir)
+    if corrupt and run.data.kind is not DataKind.IMAGE:
+        raise ValueError(
+            f"--corruptions applies to image data; {run.config.data} is {run.data.kind} data "
+            "(evaluate without --corruptions)."
+        )
+    runs = [run]
+    if baseline is not None:
+        runs.insert(0, _load_baseline(baseline, run, device))
+    return runs
+
+
+def _results(
+    runs: list[LoadedRun],
+    clean: list[dict[str, Any]],
+    corrupted: list[dict[str, Any] | None],
+    settings: dict[str, Any],
+    *,
+    has_baseline: bool,
+) -> dict[str, Any]:
+    """What ``evaluation.json`` holds, ``files`` still empty (see :func:`evaluate_run`)."""
+
+    run = runs[-1]
     results: dict[str, Any] = {
         "step": run.step,
         "config": run.config.to_dict(),
@@ -213,7 +243,7 @@ def evaluate_run(
         "baseline": None,
         "files": {},
     }
-    if baseline is not None:
+    if has_baseline:
         base = runs[0]
         results["baseline"] = {
             "run": str(base.directory),
@@ -223,6 +253,15 @@ def evaluate_run(
             "clean": clean[0]["metrics"],
             "corrupted": corrupted[0],
         }
+    return results
+
+
+def _write_report(
+    runs: list[LoadedRun], results: dict[str, Any], files: dict[str, str], settings: dict[str, Any]
+) -> None:
+    """Write ``report.md`` and ``evaluation.json`` into the run directory; fill in ``results["files"]``."""
+
+    run = runs[-1]
     report = markdown_report(
         results["clean"],
         results["corrupted"],
@@ -231,14 +270,13 @@ def evaluate_run(
         config=_shown_config(run),
         settings=settings,
         label=run.label,
-        baseline=None if baseline is None else {**results["baseline"], "config": _shown_config(runs[0])},
+        baseline=None if results["baseline"] is None else {**results["baseline"], "config": _shown_config(runs[0])},
     )
 
     report_path = run.directory / REPORT
     report_path.write_text(report)
     results["files"] = {"report": str(report_path), "evaluation": str(run.directory / EVALUATION), **files}
     write_json(results, run.directory / EVALUATION)
-    return results
 
 
 def _shown_config(run: LoadedRun) -> dict[str, Any]:
