@@ -85,7 +85,8 @@ class RecurrentScan(torch.autograd.Function):
     """
 
     # forward and backward are one loop each over the time steps, written out for LSTM / GRU / RNN together: a
-    # step's ops share buffers and indices that helpers would pass back and forth (long on purpose, ~95 lines each)
+    # step's ops share buffers and indices that helpers would pass back and forth (long on purpose); the backward
+    # pass's work before and after its loop, all steps at once, is in the helpers below the class
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -205,11 +206,10 @@ class RecurrentScan(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_out: Tensor, d_hn: Tensor, d_cn: Tensor | None = None) -> tuple[Tensor | None, ...]:
-        mode, batch_sizes, offsets, order, additive, batch, hidden = ctx.meta
-        w_hh, s_h, r_h, b_h, w_hr, s_hr, r_hr = ctx.saved_tensors
+        mode, batch_sizes, offsets, order, additive, _, hidden = ctx.meta
+        w_hh, s_h, r_h, _, w_hr, s_hr, r_hr = ctx.saved_tensors
         h_prev, a_all, act = ctx.h_prev, ctx.a_all, ctx.act
-        steps, (n_rows, _), width = len(batch_sizes), a_all.shape, h_prev.shape[1]
-        pos = row_positions(batch_sizes, a_all.device)
+        (n_rows, _), width = a_all.shape, h_prev.shape[1]
         lstm, gru = mode == "LSTM", mode == "GRU"
 
         dh = d_hn.clone()
@@ -217,30 +217,16 @@ class RecurrentScan(torch.autograd.Function):
         d_pre = d_xi  # gradient of the recurrent pre-activation (a o r_h (+ b_h)); GRU: its own
         d_hs = h_prev.new_empty(n_rows, width)  # gradient of h_{t-1} o s_h
         # gate derivatives of every step, computed at once before the (sequential) loop
+        m_all = d_h_rows = d_ms = None
         if lstm:
             dc = d_cn.clone()  # type: ignore[union-attr]
-            i, f, g, o = act.chunk(4, 1)
-            tanh_c = ctx.tanh_c
-            # [g i(1-i), c_prev f(1-f), i (1-g^2), tanh(c) o(1-o)], in place: few passes over N x 4H
-            scale = torch.mul(act, 1 - act)
-            hid = slice(2 * hidden, 3 * hidden)
-            scale[:, hid] = torch.addcmul(torch.ones_like(g), g, g, value=-1)  # no strided out= (torch.compile)
-            for block, factor in enumerate((g, ctx.c_prev, i, tanh_c)):
-                scale[:, block * hidden : (block + 1) * hidden].mul_(factor)
-            o_dtanh = torch.addcmul(torch.ones_like(tanh_c), tanh_c, tanh_c, value=-1).mul_(o)
-            f = f.contiguous()
+            scale, o_dtanh, f, o = _lstm_gate_derivatives(act, ctx.c_prev, ctx.tanh_c, hidden)
             if w_hr is not None:
-                m_all = o * tanh_c
+                m_all = o * ctx.tanh_c
                 d_h_rows = h_prev.new_empty(n_rows, width)
                 d_ms = h_prev.new_empty(n_rows, hidden)
         elif gru:
-            r, z, n = act.chunk(3, 1)
-            q1 = (1 - z) * (1 - n * n)
-            q2 = (h_prev - n) * z * (1 - z)
-            q3 = q1 * ctx.gh_n * r * (1 - r)
-            scale = torch.cat([q3, q2, q1], 1)
-            scale_h = torch.cat([q3, q2, q1 * r], 1)
-            z = z.contiguous()
+            scale, scale_h, z = _gru_gate_derivatives(act, h_prev, ctx.gh_n)
             d_pre = torch.empty_like(a_all)
         else:
             scale = 1 - act * act if mode == "RNN_TANH" else (act > 0).to(act.dtype)
@@ -251,9 +237,9 @@ class RecurrentScan(torch.autograd.Function):
             dha = dh[:size] + d_out[lo:hi]
             if lstm:
                 if w_hr is not None:
-                    d_h_rows[lo:hi] = dha
+                    d_h_rows[lo:hi] = dha  # type: ignore[index]
                     dp = dha if additive else dha * r_hr[:size]
-                    dms = torch.mm(dp, w_hr, out=d_ms[lo:hi])
+                    dms = torch.mm(dp, w_hr, out=d_ms[lo:hi])  # type: ignore[index]
                     dm = dms if additive else dms * s_hr[:size]
                 else:
                     dm = dha
@@ -273,27 +259,72 @@ class RecurrentScan(torch.autograd.Function):
                 dhp = torch.addcmul(dhp, dha, z[lo:hi])
             dh[:size] = dhp
 
-        # everything that does not feed the recurrence: one reduction or matmul over all steps
-        need = ctx.needs_input_grad
-        d_whh = d_sh = d_rh = d_bh = d_whr = d_shr = d_rhr = None
-        if need[3]:
-            hs_all = _with_rows(h_prev, s_h, pos, batch, steps, additive)
-            da_all = d_pre if r_h is None else _with_rows(d_pre, r_h, pos, batch, steps, False)
-            d_whh = da_all.t() @ hs_all
-        if need[4]:
-            d_sh = _row_sum(d_hs if additive else d_hs * h_prev, pos, batch, steps)
-        if r_h is not None and need[5]:
-            d_rh = _row_sum(d_pre * a_all, pos, batch, steps)
-        if b_h is not None and need[6]:
-            d_bh = _row_sum(d_pre, pos, batch, steps)
-        if lstm and w_hr is not None:
-            if need[7]:
-                ms_all = _with_rows(m_all, s_hr, pos, batch, steps, additive)
-                dp_all = d_h_rows if additive else _with_rows(d_h_rows, r_hr, pos, batch, steps, False)
-                d_whr = dp_all.t() @ ms_all
-            if need[8]:
-                d_shr = _row_sum(d_ms if additive else d_ms * m_all, pos, batch, steps)
-            if need[9]:
-                d_rhr = _row_sum(d_h_rows if additive else d_h_rows * ctx.proj, pos, batch, steps)
+        d_weights = _weight_grads(ctx, d_pre, d_hs, m_all, d_h_rows, d_ms)
         d_c0 = dc if lstm else None
-        return d_xi, dh, d_c0, d_whh, d_sh, d_rh, d_bh, d_whr, d_shr, d_rhr, None, None, None, None
+        return d_xi, dh, d_c0, *d_weights, None, None, None, None
+
+
+# the backward pass's phases that do not feed the recurrence: the gate derivatives of every step before its loop,
+# the gradients of the weights and factors after it (each all steps at once)
+
+
+def _lstm_gate_derivatives(
+    act: Tensor, c_prev: Tensor, tanh_c: Tensor, hidden: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(scale, o_dtanh, f, o)`` of every LSTM row: ``d(i, f, g~, o) = (dc, dc, dc, dm) o scale``,
+    ``dc += dm o o_dtanh``, ``dc_{t-1} = dc o f``."""
+    i, f, g, o = act.chunk(4, 1)
+    # [g i(1-i), c_prev f(1-f), i (1-g^2), tanh(c) o(1-o)], in place: few passes over N x 4H
+    scale = torch.mul(act, 1 - act)
+    hid = slice(2 * hidden, 3 * hidden)
+    scale[:, hid] = torch.addcmul(torch.ones_like(g), g, g, value=-1)  # no strided out= (torch.compile)
+    for block, factor in enumerate((g, c_prev, i, tanh_c)):
+        scale[:, block * hidden : (block + 1) * hidden].mul_(factor)
+    o_dtanh = torch.addcmul(torch.ones_like(tanh_c), tanh_c, tanh_c, value=-1).mul_(o)
+    return scale, o_dtanh, f.contiguous(), o
+
+
+def _gru_gate_derivatives(act: Tensor, h_prev: Tensor, gh_n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(scale, scale_h, z)`` of every GRU row: ``d_xi = (dh, dh, dh) o scale``, ``d_pre = (dh, dh, dh) o scale_h``
+    (the recurrent ``n`` pre-activation is ``r o gh_n``), ``dh_{t-1} += dh o z``."""
+    r, z, n = act.chunk(3, 1)
+    q1 = (1 - z) * (1 - n * n)
+    q2 = (h_prev - n) * z * (1 - z)
+    q3 = q1 * gh_n * r * (1 - r)
+    scale = torch.cat([q3, q2, q1], 1)
+    scale_h = torch.cat([q3, q2, q1 * r], 1)
+    return scale, scale_h, z.contiguous()
+
+
+def _weight_grads(
+    ctx: Any, d_pre: Tensor, d_hs: Tensor, m_all: Tensor | None, d_h_rows: Tensor | None, d_ms: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    """The gradients of ``w_hh, s_h, r_h, b_h, w_hr, s_hr, r_hr`` (None where not needed): one reduction or
+    matmul over all steps each, from the per-row gradients the loop of :meth:`RecurrentScan.backward` wrote."""
+    mode, batch_sizes, _, _, additive, batch, _ = ctx.meta
+    _, s_h, r_h, b_h, w_hr, s_hr, r_hr = ctx.saved_tensors
+    h_prev, a_all = ctx.h_prev, ctx.a_all
+    steps = len(batch_sizes)
+    pos = row_positions(batch_sizes, a_all.device)
+    need = ctx.needs_input_grad
+    d_whh = d_sh = d_rh = d_bh = d_whr = d_shr = d_rhr = None
+    if need[3]:
+        hs_all = _with_rows(h_prev, s_h, pos, batch, steps, additive)
+        da_all = d_pre if r_h is None else _with_rows(d_pre, r_h, pos, batch, steps, False)
+        d_whh = da_all.t() @ hs_all
+    if need[4]:
+        d_sh = _row_sum(d_hs if additive else d_hs * h_prev, pos, batch, steps)
+    if r_h is not None and need[5]:
+        d_rh = _row_sum(d_pre * a_all, pos, batch, steps)
+    if b_h is not None and need[6]:
+        d_bh = _row_sum(d_pre, pos, batch, steps)
+    if mode == "LSTM" and w_hr is not None:
+        if need[7]:
+            ms_all = _with_rows(m_all, s_hr, pos, batch, steps, additive)  # type: ignore[arg-type]
+            dp_all = d_h_rows if additive else _with_rows(d_h_rows, r_hr, pos, batch, steps, False)  # type: ignore[arg-type]
+            d_whr = dp_all.t() @ ms_all  # type: ignore[union-attr]
+        if need[8]:
+            d_shr = _row_sum(d_ms if additive else d_ms * m_all, pos, batch, steps)  # type: ignore[operator,arg-type]
+        if need[9]:
+            d_rhr = _row_sum(d_h_rows if additive else d_h_rows * ctx.proj, pos, batch, steps)  # type: ignore[operator,arg-type]
+    return d_whh, d_sh, d_rh, d_bh, d_whr, d_shr, d_rhr
