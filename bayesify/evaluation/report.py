@@ -344,19 +344,45 @@ def markdown_report(
     rows = [(label, clean, corrupted)]
     if baseline is not None:
         rows.insert(0, (baseline["label"], baseline["clean"], baseline.get("corrupted")))
-    binary = any("auc_pr" in metrics for _, metrics, _ in rows)
-    has_corruptions = corrupted is not None
 
     lines = [f"# {title or 'bayesify evaluation'}", ""]
+    lines += _headline_section(rows, compared=baseline is not None)
+    if clean.get("ood"):
+        lines += _ood_section(rows, settings or {})
+    if corrupted is not None:
+        lines += _corruption_definitions(corrupted)
+    if clean.get("members"):
+        lines += _members_section(clean)
+    if corrupted is not None:
+        lines += _corruption_tables(rows if baseline is not None and baseline.get("corrupted") else rows[-1:])
+
+    for caption, file in (images or {}).items():
+        lines += [f"![{caption}]({file})", ""]
+
+    if config is not None:
+        lines += _configuration_section(config, label, baseline)
+    if settings is not None:
+        lines += ["## Evaluation settings", ""]
+        lines += _table(["setting", "value"], [[k, _option(v)] for k, v in settings.items()])
+    return "\n".join(lines)
+
+
+def _headline_section(rows: Sequence[tuple[str, Mapping[str, Any], Any]], *, compared: bool) -> list[str]:
+    """The members line, the headline table (a row per model when ``compared`` with a baseline) and its legend.
+
+    ``rows``: ``(label, clean, corrupted)`` of each model, the one under evaluation last."""
+
+    label, clean, corrupted = rows[-1]
+    binary = any("auc_pr" in metrics for _, metrics, _ in rows)
+    has_corruptions = corrupted is not None
     if _is_regression(clean):
         head = [name for _, name in _REGRESSION] + ["90% interval coverage"]
     else:
         head = ["NLL", "accuracy", "ECE", "Brier"] + (["AUC-PR", "AUC-ROC"] if binary else [])
     head += ["cNLL", "cA", "cECE"] if has_corruptions else []
     members = f"K = {clean.get('components', 1)} components x M = {clean.get('samples', 1)} samples per component"
-    lines.append(f"{label}: {members}" if baseline is not None else members)
-    lines.append("")
-    if baseline is None:
+    lines = [f"{label}: {members}" if compared else members, ""]
+    if not compared:
         lines += _table(head, [_headline(clean, corrupted, binary)])
     else:
         lines += _table(["model", *head], [[name, *_headline(m, c, binary)] for name, m, c in rows])
@@ -371,53 +397,54 @@ def markdown_report(
             + "; higher for accuracy" + (" and cA" if has_corruptions else "") + "."
         )  # fmt: skip
     lines.append("")
-    if clean.get("ood"):
-        lines += _ood_section(rows, settings or {})
-    if corrupted is not None:
-        types, severities = len(corrupted["results"]), len(corrupted["by_severity"])
-        sets = f"{types} corruption types x {severities} severities ({types * severities} corrupted test sets)"
-        lines += [
-            f"- **cNLL**: the NLL averaged over the {sets}.",
-            f"- **cA**: the accuracy averaged over the same {types * severities} corrupted test sets.",
-            f"- **cECE**: the ECE (15 bins) averaged over the same {types * severities} corrupted test sets.",
-            "",
-        ]
+    return lines
 
-    if clean.get("members"):
-        lines += ["## Members", ""]
+
+def _corruption_definitions(corrupted: Mapping[str, Any]) -> list[str]:
+    """What cNLL, cA and cECE average over, with the numbers of corruption types and severities."""
+
+    types, severities = len(corrupted["results"]), len(corrupted["by_severity"])
+    sets = f"{types} corruption types x {severities} severities ({types * severities} corrupted test sets)"
+    return [
+        f"- **cNLL**: the NLL averaged over the {sets}.",
+        f"- **cA**: the accuracy averaged over the same {types * severities} corrupted test sets.",
+        f"- **cECE**: the ECE (15 bins) averaged over the same {types * severities} corrupted test sets.",
+        "",
+    ]
+
+
+def _members_section(clean: Mapping[str, Any]) -> list[str]:
+    """Each component's NLL and accuracy, and the members' diversity."""
+
+    lines = ["## Members", ""]
+    lines += _table(
+        ["component", "NLL", "accuracy"], [[k, m["nll"], m["accuracy"]] for k, m in enumerate(clean["members"])]
+    )
+    d = clean["diversity"]
+    lines += [
+        (
+            f"Diversity: disagreement {d['disagreement']:.4f}, normalised by (1 - accuracy) "
+            f"{d['normalized_disagreement']:.4f}, mean pairwise KL {d['kl']:.4f}"
+        ),
+        "",
+    ]
+    return lines
+
+
+def _configuration_section(config: Mapping[str, Any], label: str, baseline: Mapping[str, Any] | None) -> list[str]:
+    """The training configuration as a table; beside the baseline's, option by option, when it has one."""
+
+    lines = ["## Configuration", ""]
+    if baseline is not None and baseline.get("config") is not None:
+        other = baseline["config"]
+        keys = list(config) + [k for k in other if k not in config]
         lines += _table(
-            ["component", "NLL", "accuracy"], [[k, m["nll"], m["accuracy"]] for k, m in enumerate(clean["members"])]
+            ["option", baseline["label"], label],
+            [[k, _option(other.get(k)), _option(config.get(k))] for k in keys],
         )
-        d = clean["diversity"]
-        lines += [
-            (
-                f"Diversity: disagreement {d['disagreement']:.4f}, normalised by (1 - accuracy) "
-                f"{d['normalized_disagreement']:.4f}, mean pairwise KL {d['kl']:.4f}"
-            ),
-            "",
-        ]
-
-    if corrupted is not None:
-        lines += _corruption_tables(rows if baseline is not None and baseline.get("corrupted") else rows[-1:])
-
-    for caption, file in (images or {}).items():
-        lines += [f"![{caption}]({file})", ""]
-
-    if config is not None:
-        lines += ["## Configuration", ""]
-        if baseline is not None and baseline.get("config") is not None:
-            other = baseline["config"]
-            keys = list(config) + [k for k in other if k not in config]
-            lines += _table(
-                ["option", baseline["label"], label],
-                [[k, _option(other.get(k)), _option(config.get(k))] for k in keys],
-            )
-        else:
-            lines += _table(["option", "value"], [[k, _option(v)] for k, v in config.items()])
-    if settings is not None:
-        lines += ["## Evaluation settings", ""]
-        lines += _table(["setting", "value"], [[k, _option(v)] for k, v in settings.items()])
-    return "\n".join(lines)
+    else:
+        lines += _table(["option", "value"], [[k, _option(v)] for k, v in config.items()])
+    return lines
 
 
 def _ood_section(rows: Sequence[tuple[str, Mapping[str, Any], Any]], settings: Mapping[str, Any]) -> list[str]:
