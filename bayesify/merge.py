@@ -63,6 +63,18 @@ def merge(model: nn.Module, component: int) -> nn.Module:
     References:
         Dusenberry et al., ICML 2020, Eq. 1 (``W o (r s^T)``).
     """
+    _check_mergeable(model, component)
+    merged = copy.deepcopy(model)
+    with torch.no_grad():
+        updates = _member_values(merged, component)
+        untied = _write_values(merged, updates)
+    merged = revert(merged)
+    _warn_untied(merged, untied, component)
+    return merged
+
+
+def _check_mergeable(model: nn.Module, component: int) -> None:
+    """Raise the error :func:`merge` documents for a model it cannot merge or a component out of range."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"merge() takes a converted nn.Module, got {type(model).__name__}.")
     if next(rank1_layers(model), None) is None:
@@ -78,35 +90,45 @@ def merge(model: nn.Module, component: int) -> nn.Module:
     if isinstance(component, bool) or not isinstance(component, int) or not 0 <= component < k:
         raise ValueError(f"component={component!r} must be an integer in [0, {k}) (the model has K={k} components).")
 
-    merged = copy.deepcopy(model)
-    # every layer's values first, from the unchanged copy (a parameter may be read by two layers)
-    updates: list[tuple[str, nn.Module, dict[str, Tensor]]] = []
-    with torch.no_grad():
-        for name, layer in rank1_layers(merged):
-            try:
-                values = layer.rank1_merge(component)
-            except (ValueError, NotImplementedError) as error:
-                where = repr(name) if name else "the model"
-                kind = type(layer).__rank1_base__.__name__
-                message = f"bayesify.merge cannot fold component {component} into {where} ({kind}): {error}"
-                raise type(error)(message if message.endswith(".") else message + ".") from None
-            updates.append((name, layer, values))
 
-        holders, names = _parameter_holders(merged)
-        untied: dict[str, list[str]] = {}  # a tied parameter that got its own copy: the names it was shared with
-        for layer_name, layer, values in updates:
-            for param_name, value in values.items():
-                owner_name, _, attr = param_name.rpartition(".")
-                owner = layer.get_submodule(owner_name) if owner_name else layer
-                param = owner._parameters[attr]
-                assert param is not None and param.shape == value.shape, f"{param_name} keeps its shape"
-                if len(holders[id(param)]) > 1:  # tied: give this layer its own merged copy
-                    full = f"{layer_name}.{param_name}" if layer_name else param_name
-                    untied[full] = [n for n in names[id(param)] if n != full]
-                    owner._parameters[attr] = nn.Parameter(value.to(param.dtype).clone(), param.requires_grad)
-                else:
-                    param.copy_(value)
-    merged = revert(merged)
+def _member_values(merged: nn.Module, component: int) -> list[tuple[str, nn.Module, dict[str, Tensor]]]:
+    """``(name, layer, {parameter name: merged value})`` of every rank-1 layer, all computed before any is written
+    (a parameter may be read by two layers); a layer's error is re-raised naming the layer."""
+    updates: list[tuple[str, nn.Module, dict[str, Tensor]]] = []
+    for name, layer in rank1_layers(merged):
+        try:
+            values = layer.rank1_merge(component)
+        except (ValueError, NotImplementedError) as error:
+            where = repr(name) if name else "the model"
+            kind = type(layer).__rank1_base__.__name__
+            message = f"bayesify.merge cannot fold component {component} into {where} ({kind}): {error}"
+            raise type(error)(message if message.endswith(".") else message + ".") from None
+        updates.append((name, layer, values))
+    return updates
+
+
+def _write_values(merged: nn.Module, updates: list[tuple[str, nn.Module, dict[str, Tensor]]]) -> dict[str, list[str]]:
+    """Write the merged values into the layers' parameters, in place, and return the untied ones: a parameter that
+    other modules share gets its own merged copy instead (``{its full name: the names it was shared with}``)."""
+    holders, names = _parameter_holders(merged)
+    untied: dict[str, list[str]] = {}
+    for layer_name, layer, values in updates:
+        for param_name, value in values.items():
+            owner_name, _, attr = param_name.rpartition(".")
+            owner = layer.get_submodule(owner_name) if owner_name else layer
+            param = owner._parameters[attr]
+            assert param is not None and param.shape == value.shape, f"{param_name} keeps its shape"
+            if len(holders[id(param)]) > 1:  # tied: give this layer its own merged copy
+                full = f"{layer_name}.{param_name}" if layer_name else param_name
+                untied[full] = [n for n in names[id(param)] if n != full]
+                owner._parameters[attr] = nn.Parameter(value.to(param.dtype).clone(), param.requires_grad)
+            else:
+                param.copy_(value)
+    return untied
+
+
+def _warn_untied(merged: nn.Module, untied: dict[str, list[str]], component: int) -> None:
+    """Keep a Hugging Face model's untied parameters apart, and warn about each untied parameter (see :func:`merge`)."""
     # a Hugging Face model would tie them again (tie_weights(), resize_token_embeddings, a reload)
     flags = [f"merged.{p}.config" if p else "merged.config" for p in keep_untied(merged, untied)]
     kept = (
@@ -119,9 +141,8 @@ def merge(model: nn.Module, component: int) -> nn.Module:
         warnings.warn(
             f"bayesify.merge: {full} was shared with {', '.join(others)}; the merged model holds its own copy with "
             f"component {component} folded in, so they are no longer tied ({kept}).",
-            stacklevel=2,
+            stacklevel=3,  # merge()'s caller: this helper is called from merge()
         )
-    return merged
 
 
 def _parameter_holders(model: nn.Module) -> tuple[dict[int, set[tuple[int, str]]], dict[int, list[str]]]:
@@ -135,4 +156,3 @@ def _parameter_holders(model: nn.Module) -> tuple[dict[int, set[tuple[int, str]]
     for name, param in model.named_parameters(remove_duplicate=False):
         names[id(param)].append(name)
     return holders, names
-
