@@ -145,6 +145,17 @@ def fuse_detections(
     References:
         Solovyev et al., Image and Vision Computing 107, 2021, Algorithm 1.
     """
+    _check_members(members, iou_threshold, skip_score)
+    fused_images = []
+    for image in range(len(members[0])):
+        checked = [_check_image(m[image], member, image) for member, m in enumerate(members)]
+        fused_images.append(_fuse_image(checked, iou_threshold, skip_score))
+    return fused_images
+
+
+def _check_members(members: Sequence[Sequence[Detections]], iou_threshold: float, skip_score: float) -> None:
+    """Raise the error :func:`fuse_detections` documents for members or settings it cannot fuse (each image's
+    dicts are checked as it comes, by :func:`_check_image`)."""
     if isinstance(members, Mapping) or not isinstance(members, Sequence) or len(members) == 0:
         raise TypeError(
             "members must be a non-empty list with one entry per member, each a list over images of detection dicts; "
@@ -162,35 +173,35 @@ def fuse_detections(
     if isinstance(skip_score, bool) or not isinstance(skip_score, (int, float)):
         raise TypeError(f"skip_score={skip_score!r} must be a number: boxes scored below it are dropped.")
 
-    fused_images = []
-    for image in range(images):
-        checked = [_check_image(m[image], member, image) for member, m in enumerate(members)]
-        boxes0, labels0, scores0 = checked[0]
-        boxes = torch.cat([b for b, _, _ in checked]).detach().to("cpu", torch.float64)
-        labels = torch.cat([lab for _, lab, _ in checked]).detach().to("cpu", torch.int64)
-        scores = torch.cat([s for _, _, s in checked]).detach().to("cpu", torch.float64)
-        owners = torch.cat([torch.full((len(b),), member) for member, (b, _, _) in enumerate(checked)])
-        keep = scores >= skip_score
-        boxes, labels, scores, owners = boxes[keep], labels[keep], scores[keep], owners[keep]
 
-        parts: list[list[Tensor]] = []
-        for label in labels.unique().tolist():
-            same = labels == label
-            fused = _fuse_one_label(boxes[same], scores[same], owners[same], len(members), iou_threshold)
-            parts.append([*fused, torch.full((len(fused[0]),), label, dtype=torch.int64)])
-        if parts:
-            fused_boxes, fused_scores, agreement, spread, fused_labels = (torch.cat(p) for p in zip(*parts))
-        else:
-            fused_boxes, spread = boxes.new_zeros(0, 4), boxes.new_zeros(0, 4)
-            fused_scores, agreement, fused_labels = scores.new_zeros(0), scores.new_zeros(0), labels.new_zeros(0)
-        order = torch.argsort(fused_scores, descending=True, stable=True)
-        fused_images.append(
-            {
-                "boxes": fused_boxes[order].to(boxes0.device, boxes0.dtype),
-                "labels": fused_labels[order].to(labels0.device, labels0.dtype),
-                "scores": fused_scores[order].to(scores0.device, scores0.dtype),
-                "agreement": agreement[order].to(scores0.device, scores0.dtype),
-                "box_std": spread[order].to(boxes0.device, boxes0.dtype),
-            }
-        )
-    return fused_images
+def _fuse_image(
+    checked: list[tuple[Tensor, Tensor, Tensor]], iou_threshold: float, skip_score: float
+) -> dict[str, Tensor]:
+    """One image's fused detections (see :func:`fuse_detections`) from each member's ``(boxes, labels, scores)``:
+    fused label by label in float64 on the CPU, returned sorted by score in the first member's dtypes and device."""
+    boxes0, labels0, scores0 = checked[0]
+    boxes = torch.cat([b for b, _, _ in checked]).detach().to("cpu", torch.float64)
+    labels = torch.cat([lab for _, lab, _ in checked]).detach().to("cpu", torch.int64)
+    scores = torch.cat([s for _, _, s in checked]).detach().to("cpu", torch.float64)
+    owners = torch.cat([torch.full((len(b),), member) for member, (b, _, _) in enumerate(checked)])
+    keep = scores >= skip_score
+    boxes, labels, scores, owners = boxes[keep], labels[keep], scores[keep], owners[keep]
+
+    parts: list[list[Tensor]] = []
+    for label in labels.unique().tolist():
+        same = labels == label
+        fused = _fuse_one_label(boxes[same], scores[same], owners[same], len(checked), iou_threshold)
+        parts.append([*fused, torch.full((len(fused[0]),), label, dtype=torch.int64)])
+    if parts:
+        fused_boxes, fused_scores, agreement, spread, fused_labels = (torch.cat(p) for p in zip(*parts))
+    else:
+        fused_boxes, spread = boxes.new_zeros(0, 4), boxes.new_zeros(0, 4)
+        fused_scores, agreement, fused_labels = scores.new_zeros(0), scores.new_zeros(0), labels.new_zeros(0)
+    order = torch.argsort(fused_scores, descending=True, stable=True)
+    return {
+        "boxes": fused_boxes[order].to(boxes0.device, boxes0.dtype),
+        "labels": fused_labels[order].to(labels0.device, labels0.dtype),
+        "scores": fused_scores[order].to(scores0.device, scores0.dtype),
+        "agreement": agreement[order].to(scores0.device, scores0.dtype),
+        "box_std": spread[order].to(boxes0.device, boxes0.dtype),
+    }
