@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from bayesify.predictive.decompositions import mixture_cdf, regression_uncertainty
+from bayesify.predictive.decompositions import RegressionUncertainty, mixture_cdf, regression_uncertainty
 
 __all__ = ["CALIBRATION_LEVELS", "regression_metrics"]
 
@@ -91,6 +91,23 @@ def regression_metrics(
         Kuleshov et al., ICML 2018, Sec. 3 (calibration, sharpness).
     """
     levels = _check_levels(levels)
+    _check_shapes(member_means, targets)
+    uncertainty = regression_uncertainty(member_means, member_variances)
+    y = targets.to(torch.float64)
+    error = uncertainty.mean.to(torch.float64) - y
+    out: dict[str, object] = {
+        "rmse": float(error.square().mean().sqrt()),
+        "mae": float(error.abs().mean()),
+        "epistemic_std": float(uncertainty.epistemic_variance.to(torch.float64).sqrt().mean()),
+    }
+    if uncertainty.member_variances is None:
+        missing = dict.fromkeys(("nll", "coverage", "calibration_error", "sharpness"))
+        return {**out, **missing, "note": _NO_VARIANCE_NOTE}
+    return {**out, **_mixture_metrics(uncertainty, y, levels)}
+
+
+def _check_shapes(member_means: Tensor, targets: Tensor) -> None:
+    """Raise the error :func:`regression_metrics` documents for targets or member means it cannot score."""
     if not isinstance(targets, Tensor) or targets.is_complex() or targets.dtype == torch.bool:
         raise TypeError(f"targets must be a real-valued torch.Tensor, got {getattr(targets, 'dtype', type(targets))}.")
     if not isinstance(member_means, Tensor) or member_means.dim() < 2:
@@ -105,18 +122,12 @@ def regression_metrics(
             f"{tuple(member_means.shape[1:])} (member_means is {tuple(member_means.shape)}); squeeze or unsqueeze "
             "the output axis so they match exactly."
         )
-    uncertainty = regression_uncertainty(member_means, member_variances)
-    y = targets.to(torch.float64)
-    error = uncertainty.mean.to(torch.float64) - y
-    out: dict[str, object] = {
-        "rmse": float(error.square().mean().sqrt()),
-        "mae": float(error.abs().mean()),
-        "epistemic_std": float(uncertainty.epistemic_variance.to(torch.float64).sqrt().mean()),
-    }
-    if uncertainty.member_variances is None:
-        missing = dict.fromkeys(("nll", "coverage", "calibration_error", "sharpness"))
-        return {**out, **missing, "note": _NO_VARIANCE_NOTE}
 
+
+def _mixture_metrics(uncertainty: RegressionUncertainty, y: Tensor, levels: tuple[float, ...]) -> dict[str, object]:
+    """``nll``, ``coverage``, ``calibration_error`` and ``sharpness`` of the mixture of Gaussian members
+    (``uncertainty``: :func:`~bayesify.predictive.decompositions.regression_uncertainty`'s, with member variances;
+    ``y``: the targets in float64)."""
     means, variances = uncertainty.member_means, uncertainty.member_variances
     if not torch.all(variances > 0):
         raise ValueError(
@@ -135,7 +146,6 @@ def regression_metrics(
         return float((distance_from_median <= level / 2).to(torch.float64).mean())
 
     return {
-        **out,
         "nll": float(nll),
         "coverage": {level: coverage(level) for level in levels},
         "calibration_error": sum(abs(level - coverage(level)) for level in CALIBRATION_LEVELS)
