@@ -212,23 +212,8 @@ class Trainer:
         if dist.is_main:
             out.mkdir(parents=True, exist_ok=True)
 
-        # the global batch is split over processes; every process steps in lockstep
-        if cfg.batch_size % dist.world_size:
-            raise ValueError(
-                f"batch_size={cfg.batch_size} cannot be split over {dist.world_size} processes; use a multiple of "
-                f"{dist.world_size} (e.g. --batch-size {cfg.batch_size // dist.world_size * dist.world_size or dist.world_size})."
-            )
-        per_process = cfg.batch_size // dist.world_size
-        model = self.model.to(dist.device)
-        converted = bayesify.is_converted(model)
-        self._check_batch_fits_route(model, per_process, converted)
-        if cfg.strategy is Strategy.FSDP:
-            if not dist.ddp:
-                raise ValueError(
-                    "strategy='fsdp' shards the model over several processes: start with `torchrun --nproc-per-node N "
-                    "-m bayesify train ... --strategy fsdp` (one process: drop --strategy fsdp)."
-                )
-            shard(model)  # before the optimizer: it must hold the sharded Parameters
+        per_process = self._per_process_batch(dist)
+        model, converted = self._place_model(dist, per_process)
         sampler = ResumableBatchSampler(
             len(data.train), per_process, seed=cfg.seed, rank=dist.rank, world_size=dist.world_size
         )
@@ -237,25 +222,9 @@ class Trainer:
         if cfg.max_steps is not None:
             total_steps = min(total_steps, cfg.max_steps)
 
-        # optimizer over param_groups' groups (weights, no-decay, rank-1 factors, other rank-1); schedule; fp16 scaler
-        optimizer = build_optimizer(
-            cfg.optimizer,
-            param_groups(model, lr=cfg.lr, fast_weight_lr_multiplier=cfg.fast_weight_lr_multiplier),
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-        )
-        schedule = WarmupStepDecay(steps_per_epoch, cfg.warmup_epochs, cfg.decay_epochs, cfg.decay_ratio)
+        optimizer, schedule = self._optimizer(model, steps_per_epoch)
         scaler_device = "cpu" if dist.xla else dist.device.type
-        kl_epochs = cfg.kl_annealing_epochs if cfg.kl_annealing_epochs is not None else 2 / 3 * cfg.epochs
-        objective = Objective(
-            num_train=len(data.train),
-            l2=cfg.l2,
-            kl_annealing_steps=round(kl_epochs * steps_per_epoch),
-            likelihood=cfg.likelihood,
-            l2_norm_layers=cfg.l2_norm_layers,
-            task=self.task,
-        )
+        objective = self._objective(steps_per_epoch)
         # a dedicated generator: creating a loader iterator must not draw from the global RNG
         loader_generator = torch.Generator()
         loader = DataLoader(
@@ -281,6 +250,55 @@ class Trainer:
             steps_per_epoch=steps_per_epoch,
             total_steps=total_steps,
             converted=converted,
+        )
+
+    def _per_process_batch(self, dist: Distributed) -> int:
+        # the global batch is split over processes; every process steps in lockstep
+        cfg = self.config
+        if cfg.batch_size % dist.world_size:
+            raise ValueError(
+                f"batch_size={cfg.batch_size} cannot be split over {dist.world_size} processes; use a multiple of "
+                f"{dist.world_size} (e.g. --batch-size {cfg.batch_size // dist.world_size * dist.world_size or dist.world_size})."
+            )
+        return cfg.batch_size // dist.world_size
+
+    def _place_model(self, dist: Distributed, per_process: int) -> tuple[nn.Module, bool]:
+        """The model on this process's device (sharded with FSDP), and whether it is converted."""
+        model = self.model.to(dist.device)
+        converted = bayesify.is_converted(model)
+        self._check_batch_fits_route(model, per_process, converted)
+        if self.config.strategy is Strategy.FSDP:
+            if not dist.ddp:
+                raise ValueError(
+                    "strategy='fsdp' shards the model over several processes: start with `torchrun --nproc-per-node N "
+                    "-m bayesify train ... --strategy fsdp` (one process: drop --strategy fsdp)."
+                )
+            shard(model)  # before the optimizer: it must hold the sharded Parameters
+        return model, converted
+
+    def _optimizer(self, model: nn.Module, steps_per_epoch: int) -> tuple[torch.optim.Optimizer, WarmupStepDecay]:
+        # optimizer over param_groups' groups (weights, no-decay, rank-1 factors, other rank-1), and its schedule
+        cfg = self.config
+        optimizer = build_optimizer(
+            cfg.optimizer,
+            param_groups(model, lr=cfg.lr, fast_weight_lr_multiplier=cfg.fast_weight_lr_multiplier),
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+        )
+        schedule = WarmupStepDecay(steps_per_epoch, cfg.warmup_epochs, cfg.decay_epochs, cfg.decay_ratio)
+        return optimizer, schedule
+
+    def _objective(self, steps_per_epoch: int) -> Objective:
+        cfg = self.config
+        kl_epochs = cfg.kl_annealing_epochs if cfg.kl_annealing_epochs is not None else 2 / 3 * cfg.epochs
+        return Objective(
+            num_train=len(self.data.train),
+            l2=cfg.l2,
+            kl_annealing_steps=round(kl_epochs * steps_per_epoch),
+            likelihood=cfg.likelihood,
+            l2_norm_layers=cfg.l2_norm_layers,
+            task=self.task,
         )
 
     def _start_fresh(self, run: _Run) -> int:
