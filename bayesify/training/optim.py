@@ -114,6 +114,18 @@ def param_groups(
         raise ValueError(f"fast_weight_lr_multiplier={fast_weight_lr_multiplier!r} must be > 0 (1.0: same lr).")
     if weight_decay is not None and not weight_decay >= 0:
         raise ValueError(f"weight_decay={weight_decay!r} must be >= 0 (or None: the optimizer's default).")
+    members = _group_members(model)
+    settings: dict[str, dict[str, Any]] = {
+        "weights": {"lr": lr} if weight_decay is None else {"lr": lr, "weight_decay": weight_decay},
+        "no_decay": {"lr": lr, "weight_decay": 0.0},
+        "rank1_factors": {"lr": lr * fast_weight_lr_multiplier, "weight_decay": 0.0},
+        "rank1_other": {"lr": lr, "weight_decay": 0.0},
+    }
+    return [{"params": members[n], **settings[n], "name": n} for n in GROUPS if members[n]]
+
+
+def _group_members(model: nn.Module) -> dict[str, list[nn.Parameter]]:
+    """The trainable parameters of each of :data:`GROUPS` (possibly empty), by the rules of :func:`param_groups`."""
     factor_ids = _factor_parameter_ids(model)
     rank1_ids = {id(p) for p in rank1_parameters(model)}
     norm_ids = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)}
@@ -137,13 +149,7 @@ def param_groups(
         else:
             group = "weights"
         members[group].append(p)
-    settings: dict[str, dict[str, Any]] = {
-        "weights": {"lr": lr} if weight_decay is None else {"lr": lr, "weight_decay": weight_decay},
-        "no_decay": {"lr": lr, "weight_decay": 0.0},
-        "rank1_factors": {"lr": lr * fast_weight_lr_multiplier, "weight_decay": 0.0},
-        "rank1_other": {"lr": lr, "weight_decay": 0.0},
-    }
-    return [{"params": members[n], **settings[n], "name": n} for n in GROUPS if members[n]]
+    return members
 
 
 def build_optimizer(
