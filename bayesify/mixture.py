@@ -17,9 +17,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["logmeanexp", "row_shape", "split_members", "tile"]
+__all__ = ["component_rows", "logmeanexp", "row_shape", "split_members", "tile"]
 
 
 def logmeanexp(x: Tensor, dim: int = 0) -> Tensor:
@@ -51,3 +52,15 @@ def row_shape(rows: int | None, features: int, ndim: int, batch_axis: int | None
         shape[batch_axis] = rows
     shape[channel_axis % ndim] = features
     return tuple(shape)
+
+
+def component_rows(components: Tensor, table: Tensor) -> Tensor:
+    """Each row's component's entry of a ``[K, F]`` table: ``[len(components), F]``.
+
+    Eager, ``F.embedding`` (one gather; its backward is much faster than advanced indexing's on the CPU). In a
+    compiled graph, a one-hot matmul: inductor lowers the gather's backward to a serial scatter-add (on the GPU,
+    atomics onto K rows), where ``one_hot @ table`` is one K-deep GEMM each way (~2x less time a step on a CPU).
+    """
+    if torch.compiler.is_compiling():
+        return F.one_hot(components, table.shape[0]).to(table.dtype) @ table
+    return F.embedding(components, table)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bayesify.mixture import component_rows
 from bayesify.options import Init, Posterior
 from bayesify.variational import distributions
 from bayesify.variational.divergence import KLTerm, kl_divergence
@@ -124,7 +125,7 @@ def sample_factors(factors: Sequence[Rank1Factor], rows: Tensor, noise: bool) ->
     Factors of one posterior family and clipping share one gather and one noise draw (a layer's
     ``s`` and ``r``): fewer, larger ops than one set per factor. The scale is computed on the
     ``[K, F]`` tables before the gather, which is cheaper than per row when the batch exceeds K;
-    the gathers use ``F.embedding``, whose backward is much faster than advanced indexing's on the CPU.
+    the gathers are :func:`~bayesify.mixture.component_rows`.
     """
     first = factors[0]
     if any(
@@ -133,11 +134,11 @@ def sample_factors(factors: Sequence[Rank1Factor], rows: Tensor, noise: bool) ->
     ):
         return [f.sample(rows, noise) for f in factors]
     sizes = [f.features for f in factors]
-    loc = F.embedding(rows, torch.cat([f.loc for f in factors], 1) if len(factors) > 1 else first.loc)
+    loc = component_rows(rows, torch.cat([f.loc for f in factors], 1) if len(factors) > 1 else first.loc)
     if not noise or first.rho is None:
         return list(loc.split(sizes, 1))
     raw = torch.cat([f.rho for f in factors], 1) if len(factors) > 1 else first.rho
-    value = distributions.rsample(first.options.posterior, loc, F.embedding(rows, distributions.scale(raw)))
+    value = distributions.rsample(first.options.posterior, loc, component_rows(rows, distributions.scale(raw)))
     if first.options.clip is not None:
         # reference: heavy tails clipped to [-10, 10]. hardtanh is that clamp with a one-op backward (clamp's
         # takes six); they differ only at exactly +-clip, where hardtanh passes no gradient

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.mixture import row_shape
+from bayesify.mixture import component_rows, row_shape
 from bayesify.options import Posterior
 from bayesify.variational import distributions
 
@@ -168,11 +168,11 @@ class TableGroup:
         draw and one clip for the whole group. ``loc`` is :meth:`joined`; ``components`` None means every
         component in order (the tables themselves, no gather); ``noise`` samples a factor group from its
         posterior with ``scale`` (its ``[K, total]`` posterior scale; offsets are never sampled)."""
-        value = loc if components is None else F.embedding(components, loc)
+        value = loc if components is None else component_rows(components, loc)
         if noise and self.sampled:
             assert scale is not None, "a sampled draw needs the posterior scale"
             options = self.options
-            value = distributions.rsample(options.posterior, value, scale if components is None else F.embedding(components, scale))
+            value = distributions.rsample(options.posterior, value, scale if components is None else component_rows(components, scale))
             if options.clip is not None:
                 # reference: heavy tails clipped to [-10, 10]. hardtanh is that clamp with a one-op backward (clamp's
                 # takes six); they differ only at exactly +-clip, where hardtanh passes no gradient
@@ -195,7 +195,7 @@ class TableGroup:
         loc, rho = self.table(slot, "loc"), self.table(slot, "rho")
         scale = distributions.scale(rho)
         if components is not None:
-            loc, scale = F.embedding(components, loc), F.embedding(components, scale)
+            loc, scale = component_rows(components, loc), component_rows(components, scale)
         start = self.starts[slot]
         value = distributions.rsample(self.options.posterior, loc, scale, eps[:, start : start + self.sizes[slot]])
         if self.options.clip is not None:
