@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command: tests/test_cuda.py, then every GPU row of benchmarks/overhead.py (ResNet-50 and
-# ViT-B/16 at B=128, GPT-2 small at 16x256, bf16 autocast, eager with the peers, then compiled), each table as
+# ViT-B/16 at B=128, GPT-2 small at 16x256, bf16 autocast, eager with the peers, a torch.profiler kernel table of the
+# ResNet-50 step, then compiled), each table as
 # markdown. Whoever has a GPU runs it as it is:
 #
 #     bash benchmarks/gpu.sh                 # on a CUDA machine; writes to ${OUT:-benchmarks/results/gpu}
@@ -42,6 +43,7 @@ run() {  # name, extra overhead.py args...
 if [ "${1:-}" = "--smoke" ]; then
   run eager --models "$models_eager" --batch "$batch" --repeats "$repeats" --peers
   run compiled --models "$compile_models" --batch "$batch" --repeats "$repeats" --compile --default-route-only
+  run profile --models resnet18:32 --batch "$batch" --repeats 1 --default-route-only --profile
 else
   run eager-resnet50-vit --models resnet50:224,vit_base_patch16_224:224 --batch 128 --repeats "$repeats" --peers
   run eager-gpt2 --models gpt2:256 --batch 16 --repeats "$repeats" --peers
@@ -53,6 +55,8 @@ else
     BAYESIFY_KERNELS=1 run eager-kernels-gpt2 --models gpt2:256 --batch 16 --repeats "$repeats" --default-route-only
     BAYESIFY_KERNELS=backward run eager-backward-kernels-gpt2 --models gpt2:256 --batch 16 --repeats "$repeats" --default-route-only
   fi
+  # where the rank-1 step's extra GPU time goes: torch.profiler's kernel table, deterministic vs rank-1 (eager)
+  run profile-resnet50 --models resnet50:224 --batch 128 --repeats 3 --default-route-only --profile
   run compiled --models "$compile_models" --batch 128 --repeats 5 --compile --default-route-only --peers
   [ -n "${COMPILE_GPT2:-}" ] && run compiled-gpt2 --models gpt2:256 --batch 16 --repeats 5 --compile --default-route-only
 fi

@@ -137,3 +137,79 @@ def test_fullgraph_compile_of_every_route_equals_eager(make, route: str) -> None
         assert grads[0].keys() == grads[1].keys() and any("rank1_" in n for n in grads[0])
         for name in grads[0]:
             torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_inductor_training_step_on_the_cpu_draws_eager_numbers() -> None:
+    """Inductor compiles the sampled training pass on the CPU with the eager pass's very random numbers (the noise is
+    an op it calls, not one it lowers: its own generator is ~40 ns a number there) and neither recomputes them in
+    the backward nor merges two draws: from one seed, the compiled step's outputs and gradients are eager's."""
+    make, shape = MODELS["cnn"]
+    model = perturbed(make()).train()
+    x = torch.randn(*shape)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    outputs, grads = [], []
+    for forward in (model, compiled, compiled):
+        model.zero_grad()
+        torch.manual_seed(0)
+        out = forward(x)
+        out.square().mean().backward()
+        outputs.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert any("rank1_s" in n for n in grads[0])
+    for i in (1, 2):
+        torch.testing.assert_close(outputs[i], outputs[0])
+        for name in grads[0]:
+            torch.testing.assert_close(grads[i][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)
+    torch.manual_seed(1)
+    assert not torch.allclose(compiled(x), outputs[0])  # (the numbers are drawn, not baked into the graph)
+
+
+# ---- replay safety: what a CUDA graph captures is what every pass runs (issue 27) ---------------------------------
+
+_HOST_READS = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "repeat_interleave", "is_nonzero", "equal")
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every op a pass dispatches, with its inputs' shapes, dtypes and devices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        shapes = tuple((tuple(a.shape), a.dtype, a.device.type) for a in args if isinstance(a, torch.Tensor))
+        self.ops.append((str(func), shapes))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("make", [_resnet18, _vit_tiny, _gpt2], ids=["resnet18", "vit", "gpt2"])
+def test_every_pass_after_two_is_the_same_ops_with_no_host_read(make, training: bool) -> None:
+    """What a CUDA graph (``torch.cuda.graphs``, ``torch.compile(mode="reduce-overhead")``) captures of a converted
+    model's step is what every eager step would run: after two passes (the first learns how the layers take their
+    draws, the second makes the index of the columns they take; torch's own recipe warms up three) each pass
+    dispatches the very same ops on the same shapes, none reads a value back to the host (no
+    ``.item()``, no data-dependent shape: the random components of the rows are a tensor) and none copies a host
+    tensor in, so a replay skipping the Python routing is the pass. Its random numbers come from the device's
+    generator, which a captured graph advances at each replay."""
+    base, x = make()
+    model = bayesify.convert(base, components=4, task="classification", class_axis=-1).train(training)
+
+    def step() -> None:
+        with torch.set_grad_enabled(training):
+            out = model(x)
+            if training:
+                out.float().square().mean().backward()
+
+    step()
+    step()
+    logs = []
+    for _ in range(3):
+        with _OpLog() as log:
+            step()
+        logs.append(log.ops)
+    assert logs[0] == logs[1] == logs[2]
+    read = [op for op, _ in logs[0] if any(name in op for name in _HOST_READS)]
+    assert not read, f"ops that read a device value on the host: {read}"
+    assert all(device == "cpu" for _, shapes in logs[0] for _, _, device in shapes)  # (the log sees devices)

@@ -297,6 +297,91 @@ def test_compile_matches_eager_forward_and_backward():
         assert fast_error <= max(10 * eager_error, 1e-4), (n, fast_error, eager_error)
 
 
+needs_cuda_graphs = pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a CUDA device")
+
+
+def _resnet18_on_device():
+    import torchvision
+
+    torch.manual_seed(0)
+    return bayesify.convert(torchvision.models.resnet18(num_classes=10), components=4).to(DEVICE)
+
+
+@needs_cuda_graphs
+def test_cuda_graph_capture_of_a_training_step_and_the_evaluation():
+    """``torch.cuda.graphs`` captures a converted model's whole training step (forward, KL, backward, optimizer)
+    after torch's warm-up recipe, and each replay draws afresh (the noise and the rows' components come from the
+    device generator, which a replay advances); the captured mixture evaluation gives the eager output."""
+    model = _resnet18_on_device().train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    x, y = torch.randn(8, 3, 64, 64, device=DEVICE), torch.randint(10, (8,), device=DEVICE)
+
+    def step() -> torch.Tensor:
+        loss = F.cross_entropy(model(x), y) + bayesify.kl_divergence(model) / 1000
+        loss.backward()
+        opt.step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    losses = []
+    for _ in range(3):
+        graph.replay()
+        losses.append(static_loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and len(set(losses)) == 3  # (the step moves the weights)
+
+    with torch.no_grad():  # the weights still: two replays of a sampled forward differ only by their draws
+        for _ in range(2):
+            model(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = model(x)
+        graph.replay()
+        first = static_out.clone()
+        graph.replay()
+    assert torch.isfinite(first).all() and not torch.equal(first, static_out)
+
+    model.eval()
+    x_eval = torch.randn(4, 3, 64, 64, device=DEVICE)
+    with torch.no_grad():
+        eager = model(x_eval)
+        for _ in range(2):
+            model(x_eval)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = model(x_eval)
+        graph.replay()
+    assert _relative(static_out, eager) < 1e-5
+
+
+@needs_cuda_graphs
+def test_compile_reduce_overhead_evaluation_and_training_step():
+    model = _resnet18_on_device()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    x, y = torch.randn(8, 3, 64, 64, device=DEVICE), torch.randint(10, (8,), device=DEVICE)
+    model.eval()
+    with torch.no_grad():
+        eager = model(x)
+        for _ in range(3):
+            fast = compiled(x)
+    assert _relative(fast, eager) < 1e-3
+    model.train()
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(compiled(x), y) + bayesify.kl_divergence(model) / 1000
+        loss.backward()
+        assert torch.isfinite(loss)
+
+
 def test_cpu_checkpoint_round_trip_from_cuda(tmp_path):
     import torchvision
 
