@@ -21,9 +21,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import bayesify
+from bayesify.cost import HeldBytes, op_calls
 from bayesify.layers import rank1_op
 from bayesify.layers.folded import fold_weight
-from benchmarks.overhead import HeldBytes
 
 K = 4
 
@@ -300,8 +300,6 @@ def test_the_one_node_op_under_autocast_gives_the_plain_ops_gradients() -> None:
 
 def test_the_one_node_op_saves_two_ops_a_layer() -> None:
     # the recomputing hooks' unpack dispatches a detach per tensor the map saved: two per layer and step
-    from benchmarks.overhead import op_calls
-
     torch.manual_seed(0)
     model = bayesify.convert(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)),
                              components=K, sampling="example").train()  # fmt: skip
