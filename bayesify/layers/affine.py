@@ -197,15 +197,15 @@ class Rank1Affine(Rank1Layer):
             # evaluation at the posterior means: K folded weights, no pass over the activations. Only where
             # folding pays by the byte count: elsewhere K convolutions of B rows each run slower than the
             # per-row path's one of K*B rows (measured on the CPU: ResNet-18 at 32 px 1.37x vs 1.12x det)
-            return self._rank1_members_folded(x, draw, fold, bias, batch_axis)
+            return self._rank1_members_folded(x, draw, fold, bias, batch_axis, channel_axis)
         if folds:
             offset = draw.gather_blocks("rank1_bias")
             if bias is not None:  # one row per block (a bias given by the caller, e.g. SwinV2's q/k/v biases)
                 offset = bias.expand(len(draw.blocks), -1) if offset is None else offset + bias
             s, r = draw.sample_blocks(self.rank1_s, self.rank1_r)
             return rank1_folded(
-                x, draw.blocks, fold.weight, fold.apply, s, r, offset, batch_axis=batch_axis, groups=fold.groups,
-                transposed=fold.transposed, dense=fold.dense,
+                x, draw.blocks, fold.weight, fold.apply, s, r, offset, batch_axis=batch_axis, channel_axis=channel_axis,
+                groups=fold.groups, transposed=fold.transposed, dense=fold.dense,
             )  # fmt: skip
         # the per-row values in the shape that broadcasts against the activations, where the draw ahead has them so
         like = None if batch_axis is None or additive or core_adds_bias else (x.dim(), batch_axis, channel_axis)
@@ -228,7 +228,9 @@ class Rank1Affine(Rank1Layer):
             bias=None if core_adds_bias else bias,
         )
 
-    def _rank1_members_folded(self, x: Tensor, draw: Draw, fold: Fold, bias: Tensor | None, batch_axis: int) -> Tensor:
+    def _rank1_members_folded(
+        self, x: Tensor, draw: Draw, fold: Fold, bias: Tensor | None, batch_axis: int, channel_axis: int
+    ) -> Tensor:
         """Evaluation at the posterior means (no noise, no gradients, the route fixes each block's component):
         every member is the original map with its own folded weight, the K weights folded in one op per call.
         Nothing is kept between calls: a weight or factor changed in any way PyTorch allows (``.data``, a cast,
@@ -241,7 +243,8 @@ class Rank1Affine(Rank1Layer):
         components = draw.fixed_components
         picked = each if list(components) == list(range(len(each))) and not fold.dense else _pick(weights, components)
         return run_blocks(x, draw.blocks, picked, None if offsets is None else _pick(offsets, components),
-                          fold.apply, batch_axis=batch_axis, transposed=fold.transposed, dense=fold.dense)  # fmt: skip
+                          fold.apply, batch_axis=batch_axis, channel_axis=channel_axis, transposed=fold.transposed,
+                          dense=fold.dense)  # fmt: skip
 
     def _rank1_folds(self, draw: Draw, x: Tensor, weight: Tensor) -> bool:
         """Whether this call runs folded: blocked rows, and (``sampling='auto'``) the folded path moves

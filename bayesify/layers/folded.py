@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from bayesify.mixture import row_shape
+
 __all__ = ["dense_blocks", "fold_weight", "fold_weights", "rank1_folded", "run_blocks"]
 
 
@@ -121,6 +123,7 @@ def rank1_folded(
     offset: Tensor | None,
     *,
     batch_axis: int = 0,
+    channel_axis: int | None = None,
     groups: int = 1,
     transposed: bool = False,
     dense: bool = False,
@@ -134,6 +137,8 @@ def rank1_folded(
         apply: ``apply(x_block, weight, bias)``: the layer's map (``F.linear``, a convolution, ...).
         s, r: ``[len(blocks), in]`` and ``[len(blocks), out]``: one sample per block.
         offset: ``[len(blocks), out]`` bias per block (bias + the component's offset), or None.
+        channel_axis: the output's channel axis, where :func:`run_blocks` adds the blocks' biases after the map in a
+            compiled graph (None: always given to ``apply``).
         dense: ``apply`` is the plain dense map on the last axis (``x W^T + b``, or ``x W + b`` with
             ``transposed``): blocks of equal size along a leading batch axis then run as one batched
             matmul on views of ``x``, with no split of the input and no concatenation of the outputs.
@@ -144,7 +149,9 @@ def rank1_folded(
     # the folded weights are kept for the backward pass (the map saves them): folding them again there costs K
     # weight-sized passes per layer, measured at +6% of a ViT-tiny step on the CPU, to save K weights
     weights = fold_weights(weight, r, s, groups=groups, transposed=transposed)
-    return run_blocks(x, blocks, weights, offset, apply, batch_axis=batch_axis, transposed=transposed, dense=dense)
+    return run_blocks(
+        x, blocks, weights, offset, apply, batch_axis=batch_axis, channel_axis=channel_axis, transposed=transposed, dense=dense
+    )
 
 
 def run_blocks(
@@ -155,6 +162,7 @@ def run_blocks(
     apply: Callable[[Tensor, Tensor, Tensor | None], Tensor],
     *,
     batch_axis: int = 0,
+    channel_axis: int | None = None,
     transposed: bool = False,
     dense: bool = False,
 ) -> Tensor:
@@ -164,9 +172,16 @@ def run_blocks(
     if dense and batch_axis == 0 and _equal_tiling(blocks, x.shape[0]) and isinstance(weights, Tensor):
         return dense_blocks(x, weights, offsets, transposed=transposed)
     each = weights.unbind(0) if isinstance(weights, Tensor) else weights
+    # in a graph, each block's bias is added after the map, where inductor fuses it: torch 2.9's cannot lower a
+    # convolution whose bias is a view of another op's output (NotImplementedError: View)
+    after = channel_axis is not None and offsets is not None and torch.compiler.is_compiling()
     outputs = []
     for part, w, b in zip(_block_views(x, blocks, batch_axis), each, _rows(offsets, len(blocks))):
-        outputs.append(apply(part, w, b))
+        if after:
+            y = apply(part, w, None)
+            outputs.append(y + b.view(row_shape(None, b.shape[-1], y.dim(), batch_axis, channel_axis)))
+        else:
+            outputs.append(apply(part, w, b))
     if len(outputs) == 1:
         return outputs[0]
     traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
