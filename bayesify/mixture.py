@@ -62,5 +62,7 @@ def component_rows(components: Tensor, table: Tensor) -> Tensor:
     atomics onto K rows), where ``one_hot @ table`` is one K-deep GEMM each way (~2x less time a step on a CPU).
     """
     if torch.compiler.is_compiling():
-        return F.one_hot(components, table.shape[0]).to(table.dtype) @ table
+        # (outside autocast: a gather copies the table's values exactly, and so must this product and its backward)
+        with torch.autocast(table.device.type, enabled=False):
+            return F.one_hot(components, table.shape[0]).to(table.dtype) @ table
     return F.embedding(components, table)

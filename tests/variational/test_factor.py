@@ -67,3 +67,15 @@ def test_component_rows_is_the_gather_eagerly_and_in_a_compiled_graph() -> None:
     torch.testing.assert_close(values[1], expected)
     torch.testing.assert_close(grads[1], grads[0])  # the gradient per component: the rows' sum
     torch.testing.assert_close(grads[0][2], weights[[0, 2, 5]].sum(0))
+
+
+def test_component_rows_copies_exactly_under_autocast_in_a_compiled_graph() -> None:
+    table = torch.randn(4, 5, requires_grad=True)
+    rows = torch.tensor([2, 0, 2, 3, 1, 2])
+    torch._dynamo.reset()
+    gather = torch.compile(component_rows, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a bf16 one-hot product would round the values to 3 digits
+        out = gather(rows, table)
+    assert out.dtype == torch.float32 and torch.equal(out, table.detach()[rows])
+    out.sum().backward()
+    assert torch.equal(table.grad, torch.bincount(rows, minlength=4).float()[:, None].expand(4, 5))
