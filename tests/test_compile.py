@@ -213,3 +213,19 @@ def test_every_pass_after_two_is_the_same_ops_with_no_host_read(make, training: 
     read = [op for op, _ in logs[0] if any(name in op for name in _HOST_READS)]
     assert not read, f"ops that read a device value on the host: {read}"
     assert all(device == "cpu" for _, shapes in logs[0] for _, _, device in shapes)  # (the log sees devices)
+
+
+def test_compiled_folded_blocks_keep_eagers_dtype_under_autocast() -> None:
+    # in a graph a folded block's bias is added after its map: in the map's dtype, as the map would have added it
+    model = bayesify.convert(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3)), components=4,
+                             sampling="component").train()  # fmt: skip
+    x = torch.randn(8, 3, 8, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(0)
+        eager = model(x)
+        torch.manual_seed(0)
+        traced = compiled(x)
+    assert eager.dtype == traced.dtype == torch.bfloat16
+    torch.testing.assert_close(traced.float(), eager.float(), rtol=2e-2, atol=2e-2)

@@ -179,7 +179,7 @@ def run_blocks(
     for part, w, b in zip(_block_views(x, blocks, batch_axis), each, _rows(offsets, len(blocks))):
         if after:
             y = apply(part, w, None)
-            outputs.append(y + b.view(row_shape(None, b.shape[-1], y.dim(), batch_axis, channel_axis)))
+            outputs.append(y + b.view(row_shape(None, b.shape[-1], y.dim(), batch_axis, channel_axis)).to(y.dtype))
         else:
             outputs.append(apply(part, w, b))
     if len(outputs) == 1:
