@@ -3,8 +3,10 @@
 Counts, not times: they are deterministic and device-independent, so tests hold them and a user can check
 their own converted step against the original (``benchmarks/overhead.py`` prints both beside its timings)::
 
-    ops = bayesify.cost.op_calls(step)                # run step() once before: first-call work is not counted
-    held = bayesify.cost.held_activation_bytes(step)  # step(record=...) sets record.bytes_held before backward()
+    from bayesify.cost import held_activation_bytes, op_calls
+
+    ops = op_calls(step)                # run step() once before: first-call work is not counted
+    held = held_activation_bytes(step)  # step(record=...) sets record.bytes_held before backward()
 
 On a GPU a small-batch step is launch-bound: its time follows the op count, not the FLOPs.
 """
