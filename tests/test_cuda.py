@@ -340,11 +340,7 @@ def test_cuda_graph_capture_of_a_training_step_and_the_evaluation():
     assert all(torch.isfinite(torch.tensor(losses))) and len(set(losses)) == 3  # (the step moves the weights)
 
     with torch.no_grad():  # the weights still: two replays of a sampled forward differ only by their draws
-        for _ in range(2):
-            model(x)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = model(x)
+        graph, static_out = _captured_forward(model, x)
         graph.replay()
         first = static_out.clone()
         graph.replay()
@@ -354,13 +350,23 @@ def test_cuda_graph_capture_of_a_training_step_and_the_evaluation():
     x_eval = torch.randn(4, 3, 64, 64, device=DEVICE)
     with torch.no_grad():
         eager = model(x_eval)
-        for _ in range(2):
-            model(x_eval)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = model(x_eval)
+        graph, static_out = _captured_forward(model, x_eval)
         graph.replay()
     assert _relative(static_out, eager) < 1e-5
+
+
+def _captured_forward(model, x):
+    """``model(x)`` captured in a CUDA graph after two warm-up passes on a side stream: (graph, its output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model(x)
+    return graph, out
 
 
 @needs_cuda_graphs
