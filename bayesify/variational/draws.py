@@ -4,7 +4,7 @@ of one layer call (:class:`Draw`, the one routing record a layer sees).
 The router decides which component every row goes through (``bayesify/_router.py``); this module draws the
 tables for those rows. At the start of every routed pass (the root's pre-hook: outside any checkpointed region,
 so a recomputation in the backward pass takes the very same values) :meth:`ModelDraws.begin` draws every group of
-tables (:mod:`bayesify.variational.store`) in one go: a value per block ("blocks") and per row ("rows"), so that
+tables (:mod:`bayesify.variational.store`) in one go: a value per block (BLOCKS) and per row (ROWS), so that
 the draws and the random numbers they use do not depend on which layers ask for which. Then it takes the tables
 out as the layers took them in passes like this one (columns and broadcast shapes, learnt from their requests),
 so a layer's values are ready-made views. A layer's call gets a :class:`Draw` from the router (its rows) and
@@ -31,7 +31,7 @@ from bayesify.variational.factor import Rank1Factor, sample_factors
 
 __all__ = ["Block", "Draw", "ModelDraws", "PassDraws"]
 
-BLOCKS, ROWS = "blocks", "rows"
+BLOCKS, ROWS = "blocks", "rows"  # a value per block of rows, or per row (``per``)
 
 Block = tuple[int, int]
 """``(start, stop)``: rows ``start:stop`` of a batch all go through one component.
@@ -45,10 +45,10 @@ break under ``torch.compile``) and an exported graph keeps it symbolic."""
 class PassDraws:
     """What one forward pass drew, and for which rows.
 
-    ``full``: every table of a group, ``{(group number, kind): [m, total]}``; ``taken``: the tables taken out of
-    them as the layers take them, ``{(group number, kind, like): {slot: values}}``; ``joined``: the groups' tables
+    ``full``: every table of a group, ``{(group number, per): [m, total]}``; ``taken``: the tables taken out of
+    them as the layers take them, ``{(group number, per, like): {slot: values}}``; ``joined``: the groups' tables
     joined for this pass, ``{(group number, "loc" / "rho"): [K, total] or None}``; ``eps``: the random numbers
-    of a group not joined this pass, ``{(group number, kind): [m, total]}``.
+    of a group not joined this pass, ``{(group number, per): [m, total]}``.
     """
 
     source: "ModelDraws"  # the model's groups and learnt takes (what take() asks)
@@ -62,22 +62,23 @@ class PassDraws:
     joined: dict = field(default_factory=dict)
     eps: dict = field(default_factory=dict)
 
-    def components(self, kind: str) -> Tensor | None:
-        """The component of each value of ``kind``: each row's, each block's, or None for the tables in order."""
-        if kind == ROWS:
+    def components(self, per: str) -> Tensor | None:
+        """The component of each value drawn ``per`` row or block: each row's, each block's, or None for the tables in
+        order."""
+        if per == ROWS:
             return self.rows
         return None if self.every_component else self.block_components
 
-    def take(self, group: Any, slot: int, kind: str, like: tuple | None = None) -> Tensor | None:
+    def take(self, group: Any, slot: int, per: str, like: tuple | None = None) -> Tensor | None:
         """Table ``slot`` of ``group`` as drawn for this pass (:meth:`ModelDraws.take`)."""
-        return self.source.take(self, group, slot, kind, like)
+        return self.source.take(self, group, slot, per, like)
 
 
 @dataclass
 class ModelDraws:
     """A converted model's groups of tables (``convert`` sets them) and how its layers take their draws.
 
-    ``needs`` ``{signature: {(kind, like): {group number: {slot, ...}}}}`` is learnt from the layers' requests:
+    ``needs`` ``{signature: {(per, like): {group number: {slot, ...}}}}`` is learnt from the layers' requests:
     a table first asked for is sliced out for its layer alone, and taken ahead from then on.
     """
 
@@ -95,24 +96,24 @@ class ModelDraws:
         the blocks' components when the route fixes them), then take them out as the layers took them before."""
         every = fixed == tuple(range(self.components))
         draws = PassDraws(self, noise, rows, block_components, every, signature)
-        scales: dict = {}  # group number: its posterior scale, shared by both kinds of draw
+        scales: dict = {}  # group number: its posterior scale, shared by the draws per block and per row
         # a traced pass (torch.compile, torch.export; its batch may be symbolic) neither learns nor takes ahead
         needs = {} if torch.compiler.is_compiling() else self.needs.get(signature, {})
-        for kind in (BLOCKS, ROWS):
-            if kind == BLOCKS and block_components is None:
+        for per in (BLOCKS, ROWS):
+            if per == BLOCKS and block_components is None:
                 continue
-            if kind == ROWS and not noise and not any(k == ROWS for k, _ in needs):
+            if per == ROWS and not noise and not any(k == ROWS for k, _ in needs):
                 # no noise, no random numbers to keep in step: a value per row ([K*B, total] in a mixture
                 # evaluation) only once a layer has asked for one; until then it gathers its own
                 continue
-            components = draws.components(kind)
+            components = draws.components(per)
             for group in self.groups:
-                if kind == BLOCKS and not (noise and group.sampled):
+                if per == BLOCKS and not (noise and group.sampled):
                     continue  # no random numbers to keep in step: gathered when a layer asks (_full)
                 loc = self._joined(draws, group, "loc")
                 if loc is None:  # not joined this pass: only the random numbers now (the module doc)
                     if noise and group.sampled:
-                        draws.eps[(group.key, kind)] = group.noise(self.components if components is None else components.shape[0])
+                        draws.eps[(group.key, per)] = group.noise(self.components if components is None else components.shape[0])
                     continue
                 scale = None
                 if noise and group.sampled:
@@ -122,55 +123,55 @@ class ModelDraws:
                     scale = scales[group.key]
                     if scale is None:
                         continue
-                draws.full[(group.key, kind)] = group.draw_all(loc, components, noise, scale)
+                draws.full[(group.key, per)] = group.draw_all(loc, components, noise, scale)
         # (a compiled graph fuses the slices of its own: learning the takes would only recompile it)
-        for (kind, like), groups in needs.items():
+        for (per, like), groups in needs.items():
             for key, slots in groups.items():
-                full = self._full(draws, key, kind)
+                full = self._full(draws, key, per)
                 if full is not None:
-                    draws.taken[(key, kind, like)] = self.groups[key].take(full, sorted(slots), like)
+                    draws.taken[(key, per, like)] = self.groups[key].take(full, sorted(slots), like)
         return draws
 
-    def take(self, draws: PassDraws, group: Any, slot: int, kind: str, like: tuple | None = None) -> Tensor | None:
-        """Table ``slot`` of ``group`` as drawn for the pass (``kind``: "blocks" or "rows"; ``like``: the shape to
+    def take(self, draws: PassDraws, group: Any, slot: int, per: str, like: tuple | None = None) -> Tensor | None:
+        """Table ``slot`` of ``group`` as drawn for the pass (``per``: BLOCKS or ROWS; ``like``: the shape to
         take it in, see :meth:`~bayesify.variational.store.TableGroup.take`, if it was taken so ahead),
         ``[m, features]`` otherwise; None where the layer draws its own (not one of this model's groups, or a
         value per row without noise not drawn for this pass)."""
-        values = draws.taken.get((group.key, kind, like))
+        values = draws.taken.get((group.key, per, like))
         if values is not None and slot in values:
             return values[slot]
         if group.key >= len(self.groups) or self.groups[group.key] is not group:
             return None
         if not torch.compiler.is_compiling():
             shapes = self.needs.setdefault(draws.signature, {})
-            shapes.setdefault((kind, like), {}).setdefault(group.key, set()).add(slot)
-        full = self._full(draws, group.key, kind)
+            shapes.setdefault((per, like), {}).setdefault(group.key, set()).add(slot)
+        full = self._full(draws, group.key, per)
         if full is not None and torch.compiler.is_compiling():
             # one split of the group for the pass: its backward is one cat. Each slice's backward would be a
             # zero-padded copy of the whole group, and inductor sums them element by element (a test per table
             # per element: 93 of a ViT-tiny step's 220 ms on the CPU)
-            pieces = draws.taken.get((group.key, kind, None))
+            pieces = draws.taken.get((group.key, per, None))
             if pieces is None:
-                pieces = draws.taken[(group.key, kind, None)] = group.take(full)
+                pieces = draws.taken[(group.key, per, None)] = group.take(full)
             return pieces[slot]
         if full is not None:
             start = group.starts[slot]
             return full[:, start : start + group.sizes[slot]]
-        eps = draws.eps.get((group.key, kind))
+        eps = draws.eps.get((group.key, per))
         if eps is not None:  # this table's values from its own Parameters and its columns of the pass's noise
-            return group.draw_one(slot, draws.components(kind), eps)
+            return group.draw_one(slot, draws.components(per), eps)
         return None
 
-    def _full(self, draws: PassDraws, key: int, kind: str) -> Tensor | None:
-        """Group ``key``'s values of ``kind`` for the pass: as drawn ahead, or (a value per block that takes no
+    def _full(self, draws: PassDraws, key: int, per: str) -> Tensor | None:
+        """Group ``key``'s values ``per`` block or row for the pass: as drawn ahead, or (a value per block that takes no
         random numbers: bias offsets, or the posterior means) gathered now, once, as the first layer asks."""
-        full = draws.full.get((key, kind))
+        full = draws.full.get((key, per))
         group = self.groups[key]
-        if full is None and kind == BLOCKS and draws.block_components is not None and not (draws.noise and group.sampled):
+        if full is None and per == BLOCKS and draws.block_components is not None and not (draws.noise and group.sampled):
             loc = self._joined(draws, group, "loc")
             if loc is None:
                 return None
-            full = draws.full[(key, kind)] = group.draw_all(loc, draws.components(kind), False)
+            full = draws.full[(key, per)] = group.draw_all(loc, draws.components(per), False)
         return full
 
     @staticmethod
@@ -220,7 +221,7 @@ class Draw:
         if self.per_block and self.blocks is not None:
             values = [_spread(v, self.blocks) for v in self._blocks(factors)]
         else:
-            values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], "rows", like)
+            values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], ROWS, like)
             if values is None:
                 values = sample_factors(factors, self.rows, self.noise)
         return values[0] if len(factors) == 1 else values
@@ -232,14 +233,14 @@ class Draw:
 
     def _blocks(self, factors: tuple[Rank1Factor, ...]) -> list[Tensor]:
         assert self.block_components is not None, "per-block samples need blocked rows"
-        values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], "blocks")
+        values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], BLOCKS)
         return sample_factors(factors, self.block_components, self.noise) if values is None else values
 
     def gather(self, table: Tensor | str, like: tuple[int, int, int] | None = None) -> Tensor | None:
         """Row ``k`` of a ``[K, ...]`` per-component table for each row: ``[n, ...]``. ``table`` is a tensor,
         or the name of one of the layer's bias offsets (None if the layer has none of that name); ``like``
         as for :meth:`sample`."""
-        found = self._table(table, "rows", like)
+        found = self._table(table, ROWS, like)
         if found is None or isinstance(found, _Drawn):
             return None if found is None else found.value
         return found[self.rows]
@@ -247,34 +248,34 @@ class Draw:
     def gather_blocks(self, table: Tensor | str) -> Tensor | None:
         """Row ``k`` of a ``[K, ...]`` per-component table for each block (``table`` as for :meth:`gather`)."""
         assert self.block_components is not None, "gather_blocks() needs blocked rows"
-        found = self._table(table, "blocks")
+        found = self._table(table, BLOCKS)
         if found is None or isinstance(found, _Drawn):
             return None if found is None else found.value
         return found[self.block_components]
 
-    def _table(self, table: Tensor | str, kind: str, like: tuple | None = None) -> "Tensor | _Drawn | None":
+    def _table(self, table: Tensor | str, per: str, like: tuple | None = None) -> "Tensor | _Drawn | None":
         if not isinstance(table, str):
             return table
         state = self.layer.rank1_state
         slot = state.packed.get(table)
-        values = None if slot is None else self._ahead([slot], kind, like)
+        values = None if slot is None else self._ahead([slot], per, like)
         return getattr(self.layer, table) if values is None else _Drawn(values[0])  # its own table, or None (no bias)
 
-    def _ahead(self, slots: list, kind: str, like: tuple | None = None) -> list[Tensor] | None:
+    def _ahead(self, slots: list, per: str, like: tuple | None = None) -> list[Tensor] | None:
         """The values drawn ahead for these ``(group, slot)`` s, shaped for this call's rows; None if any was not."""
         if self.draws is None or self.layer is None or any(slot is None for slot in slots):
             return None
         if like is not None:
             ndim, batch_axis, channel_axis = like
             like = (ndim, batch_axis % ndim, channel_axis % ndim)
-            if self.repeat != 1 or self.first_only or kind != "rows" or like[1] >= like[2]:
+            if self.repeat != 1 or self.first_only or per != ROWS or like[1] >= like[2]:
                 like = None  # only the routed rows themselves, with the batch before the channels, come shaped
-        values = [self.draws.take(group, index, kind, like) for group, index in slots]
+        values = [self.draws.take(group, index, per, like) for group, index in slots]
         if any(v is None for v in values):
             return None
         if self.first_only:  # a batch-independent call: its rows all take the first row's (or block's) values
-            return [v[:1] if kind == "blocks" else v[:1].expand(self.rows.shape[0], -1) for v in values]
-        if self.repeat == 1 or kind == "blocks":
+            return [v[:1] if per == BLOCKS else v[:1].expand(self.rows.shape[0], -1) for v in values]
+        if self.repeat == 1 or per == BLOCKS:
             return values
         return [v.unsqueeze(1).expand(-1, self.repeat, -1).reshape(-1, v.shape[-1]) for v in values]
 
