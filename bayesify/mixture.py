@@ -59,7 +59,8 @@ def component_rows(components: Tensor, table: Tensor) -> Tensor:
 
     Eager, ``F.embedding`` (one gather; its backward is much faster than advanced indexing's on the CPU). In a
     compiled graph, a one-hot matmul: inductor lowers the gather's backward to a serial scatter-add (on the GPU,
-    atomics onto K rows), where ``one_hot @ table`` is one K-deep GEMM each way (~2x less time a step on a CPU).
+    atomics onto K rows), where ``one_hot @ table`` is one K-deep GEMM each way (a 32 x 4096 draw's gather and backward on a CPU: 1.6 ms
+    -> 0.7 ms).
     """
     if torch.compiler.is_compiling():
         # (outside autocast: a gather copies the table's values exactly, and so must this product and its backward)

@@ -61,11 +61,12 @@ def _standard_noise(like: Tensor, cauchy: bool) -> Tensor:
 # numbers are generated element by element (~40 ns each: 5 ms of a 25 ms ViT step at B=32); this runs torch's
 # vectorised generator, the eager path's very stream. Tagged as seeded-nondeterministic, the compiler neither
 # merges two calls, nor drops one, nor recomputes it in the backward. (On the GPU inductor's generator is fast.)
-torch.library.define(
-    "bayesify::standard_noise", "(Tensor like, bool cauchy) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,)
-)
-torch.library.impl("bayesify::standard_noise", "CompositeExplicitAutograd")(_standard_noise)
-torch.library.register_fake("bayesify::standard_noise")(lambda like, cauchy: torch.empty_like(like))
+if not hasattr(torch.ops.bayesify, "standard_noise"):  # (once per process: a reload of this module keeps the op)
+    torch.library.define(
+        "bayesify::standard_noise", "(Tensor like, bool cauchy) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,)
+    )
+    torch.library.impl("bayesify::standard_noise", "CompositeExplicitAutograd")(_standard_noise)
+    torch.library.register_fake("bayesify::standard_noise")(lambda like, cauchy: torch.empty_like(like))
 
 
 def log_prob(family: Prior | Posterior, value: Tensor, loc: Tensor | float, scale: Tensor | float) -> Tensor:
