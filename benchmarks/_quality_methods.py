@@ -36,6 +36,7 @@ tasks: with its new head, the same weights for every method of a seed):
 | ``ft-batchensemble`` | ``bayesify.convert(pretrained, posterior="delta")`` | NLL | K = 4 |
 | ``ft-ensemble`` | 4 fine-tunes of the pre-trained net (member 0: ``ft-deterministic``'s run; the others: their own new head and data order) | NLL each | 4 |
 | ``ft-rank1`` | ``bayesify.convert(pretrained)``, defaults (identity at init), everything fine-tuned | as ``rank1`` | the library's: ``model.eval()``, the K means |
+| ``ft-rank1-spread`` | ``bayesify.convert(pretrained, init="normal", init_mean_std=0.1)``: the K components' means spread N(1, 0.1) at conversion (issue 29's study), everything fine-tuned | as ``rank1`` | K |
 | ``ft-rank1-sampled`` | the ``ft-rank1`` run itself | - | K x M = 4 x 4 samples |
 | ``ft-rank1-factors`` | the adapter: ``convert`` + ``bayesify.freeze_base`` (and the new head trains, where there is one) | as ``rank1`` | K |
 | ``ft-rank1-factors-sampled`` | the ``ft-rank1-factors`` run itself | - | 4 x 4 samples |
@@ -540,6 +541,8 @@ FINETUNE_METHODS: list[Method] = [
           convert_kwargs={"posterior": "delta"}, from_pretrained=True),
     FineTunedEnsemble(),
     Rank1(key="ft-rank1", label="rank-1 conversion + fine-tuning (defaults)", from_pretrained=True),
+    Rank1(key="ft-rank1-spread", label="rank-1 fine-tune, component means spread at conversion: init='normal', "
+          "init_mean_std=0.1", convert_kwargs={"init": "normal", "init_mean_std": 0.1}, from_pretrained=True),
     Rank1(key="ft-rank1-sampled", label="rank-1 fine-tune, the same nets evaluated with 4 samples per component",
           from_pretrained=True, eval_noise=True, builds_on="ft-rank1", post_hoc=True),
     Rank1(key="ft-rank1-factors", label="rank-1 adapter (freeze_base; a new head trains too)", from_pretrained=True,
