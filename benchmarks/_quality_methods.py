@@ -62,7 +62,7 @@ import bayesify
 from benchmarks._quality_tasks import REGRESSION, Task, head_name
 
 __all__ = [
-    "FINETUNE_METHODS", "METHODS", "OPTIONAL_METHODS", "Method", "Rank1", "device", "likelihood_loss", "set_device",
+    "FINETUNE_METHODS", "METHODS", "OPTIONAL_METHODS", "STUDY_METHODS", "Method", "Rank1", "device", "likelihood_loss", "set_device",
 ]  # fmt: skip
 
 EVAL_SAMPLES = 16  # stochastic passes of MC dropout and bayesian-torch; K x M of rank-1 (4 x 4)
@@ -507,6 +507,7 @@ def _bayesian_torch_available() -> bool:
 
 # methods that need a package of the bench extra: key -> the package (skipped with a note where it is missing)
 OPTIONAL_METHODS = {"bayesian-torch": "bayesian-torch", "ft-laplace": "laplace-torch", "ft-laplace-all": "laplace-torch"}
+STUDY_METHODS = ("ft-rank1-spread",)  # run only when named (--methods): one-off questions, answered in benchmarks/results/
 
 
 METHODS: list[Method] = [

@@ -81,7 +81,9 @@ if __package__ in (None, ""):  # run as a script: python benchmarks/quality.py
 
 from bayesify.evaluation.metrics import member_log_probs_from_logits, negative_log_likelihood  # noqa: E402
 from benchmarks._quality_evaluation import evaluate_members, gaussian_head_metrics, ood_evaluation  # noqa: E402
-from benchmarks._quality_methods import FINETUNE_METHODS, METHODS, OPTIONAL_METHODS, Method, device, set_device  # noqa: E402
+from benchmarks._quality_methods import (  # noqa: E402
+    FINETUNE_METHODS, METHODS, OPTIONAL_METHODS, STUDY_METHODS, Method, device, set_device,
+)  # fmt: skip
 from benchmarks._quality_report import write_report  # noqa: E402
 from benchmarks._quality_tasks import DEFAULT_TASKS, GROUPS, REGRESSION, TASKS, Scale, Task, build_task  # noqa: E402
 from benchmarks._quality_tasks import head_name, task_names, validation_view  # noqa: E402
@@ -401,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         pool = FINETUNE_METHODS if task.finetune else METHODS
         wanted = args.methods if args.methods is not None else task.methods
-        chosen = [m for m in pool if wanted is None or m.key in wanted]
+        chosen = [m for m in pool if (m.key not in STUDY_METHODS if wanted is None else m.key in wanted)]
         optional = {k for k in OPTIONAL_METHODS if k.startswith("ft-") == task.finetune}
         for key in sorted((set(wanted or ()) & optional) - {m.key for m in pool}):
             print(f"[{name}] {key}: skipped, {OPTIONAL_METHODS[key]} is not installed (the bench extra)", flush=True)
