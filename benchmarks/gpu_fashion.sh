@@ -59,6 +59,19 @@ if [ "$mode" = knobs ]; then
   exit 0
 fi
 
+run_parts() {  # each task x method group ($groups) of "$@" in its own process, side by side; their results in $jsons
+  jsons=()
+  local task g dir
+  for task in "$@"; do
+    for g in "${!groups[@]}"; do
+      dir="$out/parts/$task-$g"; mkdir -p "$dir"; jsons+=("$dir/quality.json")
+      timeout "$limit" "$py" benchmarks/quality.py "${common[@]}" --tasks "$task" --methods ${groups[$g]} --out "$dir" \
+        >"$dir/log.txt" 2>&1 &
+    done
+  done
+  wait
+}
+
 if [ "$mode" = report ]; then
 # report: the shifted test sets first (all 15 corruptions x 5 severities of the first SHIFT test images)
 "$py" benchmarks/precompute_shifts.py --split test --data-dir "$data" --cache-dir "$cache" --shift-examples "$shift_n" \
@@ -67,15 +80,7 @@ common=(--data-dir "$data" --cache-dir "$cache" --device "$device" --threads 1 -
         --epochs "$epochs" "${train[@]}" "${ood[@]}" --shift-examples "$shift_n")
 groups=("deterministic temperature deep-ensemble" "mc-dropout batchensemble" "rank1 rank1-sampled" "rank1-tiled"
         "rank1-cauchy" "bayesian-torch")
-jsons=()
-for task in ${TASKS:-fashion-mnist fashion-mnist-plain fashion-mnist-resnet fashion-mnist-resnet-plain}; do
-  for g in "${!groups[@]}"; do
-    dir="$out/parts/$task-$g"; mkdir -p "$dir"; jsons+=("$dir/quality.json")
-    timeout "$limit" "$py" benchmarks/quality.py "${common[@]}" --tasks "$task" --methods ${groups[$g]} --out "$dir" \
-      >"$dir/log.txt" 2>&1 &
-  done
-done
-wait
+run_parts ${TASKS:-fashion-mnist fashion-mnist-plain fashion-mnist-resnet fashion-mnist-resnet-plain}
 fi
 
 if [ "$mode" = finetune ]; then
@@ -96,15 +101,7 @@ if [ "$mode" = finetune ]; then
   done
   wait
   IFS=';' read -r -a groups <<<"${FT_GROUPS:-ft-deterministic ft-temperature ft-laplace ft-ensemble;ft-mc-dropout ft-batchensemble;ft-rank1 ft-rank1-sampled;ft-rank1-factors ft-rank1-factors-x10}"
-  jsons=()
-  for task in ${TASKS:-fashion-split-finetune fashion-split-finetune-plain mnist-to-fashion-finetune mnist-to-fashion-finetune-plain}; do
-    for g in "${!groups[@]}"; do
-      dir="$out/parts/$task-$g"; mkdir -p "$dir"; jsons+=("$dir/quality.json")
-      timeout "$limit" "$py" benchmarks/quality.py "${common[@]}" --tasks "$task" --methods ${groups[$g]} --out "$dir" \
-        >"$dir/log.txt" 2>&1 &
-    done
-  done
-  wait
+  run_parts ${TASKS:-fashion-split-finetune fashion-split-finetune-plain mnist-to-fashion-finetune mnist-to-fashion-finetune-plain}
 fi
 
 have=(); for j in "${jsons[@]}"; do [ -s "$j" ] && have+=("$j"); done
