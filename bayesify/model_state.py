@@ -127,6 +127,9 @@ class ModelState:
 
     def end(self, root: nn.Module, output: object) -> object:
         """After the root's forward: the mixture's reduction of a tiled output, by the pass's task or the model's."""
+        state = self.router.state
+        if state is not None and state.draws is not None:
+            self.draws.end(state.draws)
         return self.router.end(root, output, self.task)
 
 

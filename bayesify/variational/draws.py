@@ -61,6 +61,7 @@ class PassDraws:
     taken: dict = field(default_factory=dict)
     joined: dict = field(default_factory=dict)
     eps: dict = field(default_factory=dict)
+    learnt: bool = False  # a layer asked for a table the model had not learnt it takes (ModelDraws.end)
 
     def components(self, per: str) -> Tensor | None:
         """The component of each value drawn ``per`` row or block: each row's, each block's, or None for the tables in
@@ -144,7 +145,9 @@ class ModelDraws:
             return None
         if not torch.compiler.is_compiling():
             shapes = self.needs.setdefault(draws.signature, {})
-            shapes.setdefault((per, like), {}).setdefault(group.key, set()).add(slot)
+            slots = shapes.setdefault((per, like), {}).setdefault(group.key, set())
+            draws.learnt = draws.learnt or slot not in slots
+            slots.add(slot)
         full = self._full(draws, group.key, per)
         if full is not None and torch.compiler.is_compiling():
             # one split of the group for the pass: its backward is one cat. Each slice's backward would be a
@@ -161,6 +164,18 @@ class ModelDraws:
         if eps is not None:  # this table's values from its own Parameters and its columns of the pass's noise
             return group.draw_one(slot, draws.components(per), eps)
         return None
+
+    def end(self, draws: PassDraws) -> None:
+        """After a pass in which a layer first asked for a table: make now what the next pass takes it with (the
+        index of the columns a group's layers take), so that from the second pass on every pass runs the same ops
+        and none makes a tensor from host data (a CUDA graph can capture after one warm-up pass)."""
+        if not draws.learnt:
+            return
+        for groups in self.needs.get(draws.signature, {}).values():
+            for key, slots in groups.items():
+                group = self.groups[key]
+                if len(slots) < len(group.sizes):
+                    group.columns_of(tuple(sorted(slots)), group.table(min(slots)).device)
 
     def _full(self, draws: PassDraws, key: int, per: str) -> Tensor | None:
         """Group ``key``'s values ``per`` block or row for the pass: as drawn ahead, or (a value per block that takes no

@@ -212,7 +212,7 @@ class TableGroup:
         """
         slots = tuple(range(len(self.sizes))) if slots is None else tuple(slots)
         if len(slots) < len(self.sizes):
-            value = value.index_select(1, self._columns_of(slots, value.device))
+            value = value.index_select(1, self.columns_of(slots, value.device))
         axis = 1
         if like is not None:
             ndim, batch_axis, channel_axis = like
@@ -223,7 +223,8 @@ class TableGroup:
         pieces = value.split([self.sizes[i] for i in slots], axis) if len(slots) > 1 else (value,)
         return dict(zip(slots, pieces))
 
-    def _columns_of(self, slots: tuple[int, ...], device: torch.device) -> Tensor:
+    def columns_of(self, slots: tuple[int, ...], device: torch.device) -> Tensor:
+        """The index of tables ``slots``' columns on ``device``, made once (what :meth:`take` gathers them by)."""
         key = (slots, str(device))
         columns = self.__dict__.setdefault("_columns", {})
         if key not in columns:
