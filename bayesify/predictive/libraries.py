@@ -8,10 +8,13 @@ function. Everything bayesify knows of these libraries' outputs is in this file.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bayesify.predictive.tasks import Classification, Members, MultiLabel, Regression, Task, TaskMap
@@ -97,9 +100,9 @@ class HuggingFaceTask(TaskMap):
         """The ``loss``: the model's own loss function on the mixture's logits (the predictive NLL)."""
         if not self.recompute_loss or all(key != "loss" for key, _ in reduced):
             return super().finish(model, reduced, inputs)
-        logits = next((value for key, value in reduced if key == "logits"), None)
-        labels = inputs.get("labels") if isinstance(inputs.get("labels"), Tensor) else None
-        return [huggingface_loss(model, logits, labels) if key == "loss" else value for key, value in reduced]
+        outputs = {key: value for key, value in reduced if isinstance(value, Tensor)}
+        loss = huggingface_loss(model, outputs, inputs)
+        return [loss if key == "loss" else value for key, value in reduced]
 
 
 def _huggingface_task(model: nn.Module) -> Task | None:
@@ -116,17 +119,81 @@ def _huggingface_task(model: nn.Module) -> Task | None:
         logits = Regression()
     else:
         logits = Classification(-1)  # causal / masked LM, token and single-label sequence classification
+    if kind.endswith("ForQuestionAnswering"):  # a distribution over the positions where the answer starts and ends
+        return HuggingFaceTask((("start_logits", Classification(-1)), ("end_logits", Classification(-1))))
     return HuggingFaceTask((("logits", logits),))
 
 
-def huggingface_loss(model: nn.Module, logits: Tensor | None, labels: Tensor | None) -> Tensor | None:
-    """The model's own loss function on the mixture's logits (the predictive NLL); None without labels."""
-    if logits is None or labels is None:
-        return None
-    loss_function = getattr(model, "loss_function", None)
-    if loss_function is None:
+# the heads whose loss the model's own ``self.loss_function`` computes from ``logits`` and ``labels`` alone
+_LOSS_FUNCTION_TYPES = (
+    "ForCausalLM", "ForMaskedLM", "ForSequenceClassification", "ForImageClassification", "ForAudioClassification",
+    "ForVideoClassification", "ForTokenClassification", "ForConditionalGeneration",
+)
+
+
+def huggingface_loss(model: nn.Module, outputs: dict[str, Tensor], inputs: dict[str, Any]) -> Tensor | None:
+    """The loss the model computes, on the mixture's outputs (the predictive NLL); None without labels.
+
+    A model's forward computes its loss in one of two ways: with ``self.loss_function`` (what Hugging Face maps
+    the head's name to), or in its own code. Each is repeated here only where it is known to be that model's
+    loss: the former for the heads whose loss function needs the logits and labels alone, the latter for
+    the heads below (the formulas of transformers' own models). Anything else (CTC, detection, pre-training
+    heads) stops with a one-line error rather than give another loss under the model's name."""
+    kind = type(model).__name__
+    if kind.endswith("ForQuestionAnswering"):
+        start, end = inputs.get("start_positions"), inputs.get("end_positions")
+        if not (isinstance(start, Tensor) and isinstance(end, Tensor)) or "start_logits" not in outputs:
+            return None
+        return _question_answering_loss(outputs["start_logits"], outputs["end_logits"], start, end)
+    labels, logits = inputs.get("labels"), outputs.get("logits")
+    if not isinstance(labels, Tensor) or logits is None:
         return None
     config = model.config
-    return loss_function(
-        logits=logits, pooled_logits=logits, labels=labels, vocab_size=getattr(config, "vocab_size", None), config=config
+    loss_function = getattr(model, "loss_function", None)
+    if loss_function is not None and _computes_with_loss_function(type(model)):
+        if (getattr(model, "loss_type", None) or "ForCausalLM") in _LOSS_FUNCTION_TYPES:  # (None: transformers' default)
+            return loss_function(
+                logits=logits, pooled_logits=logits, labels=labels, vocab_size=getattr(config, "vocab_size", None),
+                config=config,
+            )  # fmt: skip
+    elif kind.endswith("ForMaskedLM") or (getattr(config, "is_encoder_decoder", False) and kind.endswith("ForConditionalGeneration")):
+        # every token against its own label (a sequence-to-sequence model's decoder inputs are the labels shifted)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    elif kind.endswith("ForCausalLM"):  # every token against the next one's label
+        return F.cross_entropy(logits[..., :-1, :].reshape(-1, logits.shape[-1]).float(), labels[..., 1:].reshape(-1))
+    elif kind.endswith(("ForTokenClassification", "ForMultipleChoice")):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    elif kind.endswith("ForSequenceClassification"):
+        return _sequence_classification_loss(logits, labels, config)
+    raise ValueError(
+        f"bayesify cannot recompute {kind}'s loss from the mixture of its members (the model computes it its own "
+        "way): in evaluation call it without labels and compute the loss from the mixture's outputs, or take one "
+        "member's loss under bayesify.mode(model, component=k)."
     )
+
+
+@functools.cache
+def _computes_with_loss_function(cls: type) -> bool:
+    """Whether ``cls.forward`` computes its loss with ``self.loss_function`` (transformers' newer heads)."""
+    try:
+        return "self.loss_function(" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source at hand
+        return False
+
+
+def _sequence_classification_loss(logits: Tensor, labels: Tensor, config: Any) -> Tensor:
+    """transformers' sequence classification loss by ``config.problem_type`` (which the model's forward set)."""
+    problem, classes = getattr(config, "problem_type", None), getattr(config, "num_labels", logits.shape[-1])
+    if problem == "regression":
+        return F.mse_loss(logits.squeeze(), labels.squeeze()) if classes == 1 else F.mse_loss(logits, labels)
+    if problem == "multi_label_classification":
+        return F.binary_cross_entropy_with_logits(logits, labels)
+    return F.cross_entropy(logits.reshape(-1, classes).float(), labels.reshape(-1))
+
+
+def _question_answering_loss(start_logits: Tensor, end_logits: Tensor, start: Tensor, end: Tensor) -> Tensor:
+    """transformers' extractive question answering loss: positions outside the sequence are ignored."""
+    ignored = start_logits.shape[1]
+    start, end = (p.squeeze(-1) if p.dim() > 1 else p for p in (start, end))  # (on several devices, one more dim)
+    start, end = start.clamp(0, ignored), end.clamp(0, ignored)
+    return (F.cross_entropy(start_logits, start, ignore_index=ignored) + F.cross_entropy(end_logits, end, ignore_index=ignored)) / 2

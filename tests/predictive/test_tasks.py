@@ -251,3 +251,47 @@ def test_the_aliases_of_earlier_releases_are_gone() -> None:
     for name in ("wrappers", "priors", "data"):
         with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
             getattr(bayesify, name)
+
+
+def _tiny_huggingface_models(transformers):  # (model, inputs with labels) at conversion equal to the original
+    bert = dict(vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                max_position_embeddings=32)  # fmt: skip
+    ids, pairs = torch.randint(4, 60, (3, 7)), torch.randint(4, 60, (3, 2, 7))
+    seq2seq = dict(vocab_size=60, decoder_start_token_id=0, pad_token_id=1)
+    yield "t5", transformers.T5ForConditionalGeneration(transformers.T5Config(
+        d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, **seq2seq)), dict(input_ids=ids, labels=ids[:, :4].clone())
+    yield "bart", transformers.BartForConditionalGeneration(transformers.BartConfig(
+        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, **seq2seq)), dict(input_ids=ids, labels=ids[:, :4].clone())  # fmt: skip
+    yield "gpt2", transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=60)), dict(input_ids=ids, labels=ids)
+    yield "masked-lm", transformers.BertForMaskedLM(transformers.BertConfig(**bert)), dict(input_ids=ids, labels=ids)
+    yield "token", transformers.BertForTokenClassification(transformers.BertConfig(num_labels=4, **bert)), dict(
+        input_ids=ids, labels=torch.randint(4, (3, 7)))
+    yield "choice", transformers.BertForMultipleChoice(transformers.BertConfig(**bert)), dict(input_ids=pairs, labels=torch.tensor([0, 1, 1]))
+    for problem, labels in (("single_label_classification", torch.tensor([0, 2, 1])), ("regression", torch.randn(3, 3)),
+                            ("multi_label_classification", torch.randint(2, (3, 3)).float())):  # fmt: skip
+        yield problem, transformers.BertForSequenceClassification(transformers.BertConfig(
+            num_labels=3, problem_type=problem, **bert)), dict(input_ids=ids, labels=labels)  # fmt: skip
+    yield "qa", transformers.BertForQuestionAnswering(transformers.BertConfig(**bert)), dict(
+        input_ids=ids, start_positions=torch.tensor([1, 2, 9]), end_positions=torch.tensor([3, 4, 5]))
+
+
+def test_huggingface_loss_in_evaluation_is_the_models_own_or_refused() -> None:
+    """The loss a converted Hugging Face model gives in evaluation is the one its own forward computes (on the
+    mixture's outputs): at conversion, where every member is the original, the original's loss. Where bayesify
+    does not know how the model computes it (CTC here), it refuses in one line, not another loss under its name."""
+    transformers = pytest.importorskip("transformers")
+    for name, model, inputs in _tiny_huggingface_models(transformers):
+        torch.manual_seed(0)
+        model.eval()
+        with torch.no_grad():
+            expected = model(**inputs).loss
+            bayesify.convert(model, components=K)
+            got = model(**inputs).loss
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=name)
+    config = transformers.Wav2Vec2Config(vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                         num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2)  # fmt: skip
+    ctc = bayesify.convert(transformers.Wav2Vec2ForCTC(config), components=K).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match="cannot recompute Wav2Vec2ForCTC's loss from the mixture"):
+        ctc(torch.randn(2, 400), labels=torch.randint(1, 12, (2, 3)))
