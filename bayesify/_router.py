@@ -228,13 +228,13 @@ class Router:
             return Draw(rows=rows, blocks=blocks, block_components=components, fixed_components=tuple(range(len(blocks))), **common)
         why = "evaluation's mixture reduces the members' outputs" if spec.route is Route.MIXTURE else "route='tile' tiles the inputs"
         raise RuntimeError(
-            f"{self._called(layer)} was called outside the forward pass of its converted model ({type(self.root).__name__ if self.root is not None else 'its root'}), "
+            f"{self.layer_name(layer)} was called outside the forward pass of its converted model ({type(self.root).__name__ if self.root is not None else 'its root'}), "
             f"and {why} in that pass only; call the whole model, or make the call inside `with bayesify.mode(model, "
             f"component=k):` (member k, k < {self.components}; noise=False for its posterior mean). Code that calls a part "
             "itself (timm's forward_features, a Hugging Face encoder-decoder's generate) needs that mode too."
         )
 
-    def _called(self, layer: nn.Module | None) -> str:
+    def layer_name(self, layer: nn.Module | None) -> str:
         """``layer``'s class and its name in the root (for an error message)."""
         if layer is None:
             return "a converted layer"

@@ -180,7 +180,7 @@ def convert(
     Example:
         >>> import torch, bayesify
         >>> net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-        >>> net = bayesify.convert(net, components=4)
+        >>> net = bayesify.convert(net, components=4, task="classification")  # a model of your own says what it outputs
         >>> net.eval()(torch.randn(5, 8)).shape      # mixture predictive, same shape as before
         torch.Size([5, 3])
 

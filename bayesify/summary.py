@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from bayesify._weight_uses import WeightUses, watched_parameters
-from bayesify.convert import is_weight_bearing, static_skip
+from bayesify.convert import default_mapping, is_weight_bearing, static_skip
 from bayesify.inspection import inside, rank1_layers
 from bayesify.layers.base import ConvertedLayer
 from bayesify.mode import mode
@@ -122,7 +122,13 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
     finally:
         for h in handles:
             h.remove()
-    linear, not_linear = watcher.verdicts(dict(model.named_modules()))
+    modules = dict(model.named_modules())
+    linear, not_linear = watcher.verdicts(modules)
+    convertible = tuple(default_mapping())
+    for name in linear:
+        if isinstance(modules[name], convertible):  # a layer put in after the conversion (a new head)
+            linear[name] = (f"{type(modules[name]).__name__} was not converted (added after bayesify.convert?); "
+                            "call bayesify.convert(model) again to convert it")  # fmt: skip
     for name, why in linear.items():
         if name not in report.skipped or name in report._guessed:
             report.skipped[name] = why

@@ -286,3 +286,15 @@ def test_converting_again_with_other_model_wide_options_refuses_naming_each() ->
     # one owner at run time: every layer reads the model-wide options from the root's one model state
     assert all(layer.rank1_state.model is state for _, layer in bayesify.rank1_layers(net))
     assert not hasattr(bayesify.rank1_layers(net).__next__()[1].rank1_state.options, "components")
+
+
+def test_summary_names_a_layer_put_in_after_the_conversion_and_the_fix() -> None:
+    # a new head after convert (timm's reset_classifier does this): its type is in the mapping, so the fix is to
+    # convert again, not a mapping entry
+    net = bayesify.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), task="classification")
+    net[2] = nn.Linear(8, 5)
+    report = bayesify.summary(net, torch.randn(2, 4))
+    assert report.skipped["2"] == ("Linear was not converted (added after bayesify.convert?); call "
+                                   "bayesify.convert(model) again to convert it")  # fmt: skip
+    bayesify.convert(net)
+    assert "2" not in bayesify.summary(net, torch.randn(2, 4)).skipped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -340,3 +341,65 @@ def test_an_empty_batch_through_padded_attention_without_weights() -> None:
     torch.manual_seed(0)
     full = net(torch.randn(2, 4, 8))  # and the same path on a batch that is not empty
     assert full.shape == (2, 4, 8) and torch.isfinite(full).all()
+
+
+class _TimeMajorInside(nn.Module):
+    """A batch-first model whose middle layer sees the batch at dimension 1 (time-major inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, 6]
+        h = self.embed(x).transpose(0, 1)
+        return self.head(torch.relu(self.mix(h)).mean(0))
+
+
+def test_a_layer_that_sees_the_batch_elsewhere_is_named_and_a_batch_independent_one_is_not() -> None:
+    # mix's input [T=5, B, 16]: the pass's rows lie at dimension 1, not at batch_dim; it would run one member for
+    # all rows (a batch-independent call), mixing the members: a warning names the layer and the fix
+    model = bayesify.convert(_TimeMajorInside(), components=2, task="classification")
+    for training in (True, False):
+        with pytest.warns(UserWarning, match=r"Rank1Linear 'mix' got an input of shape \(5, (4|8), 16\).*batch_first=True"):
+            model.train(training)(torch.randn(4, 5, 6))
+    table = bayesify.convert(_TableNet(), components=2, task="classification")  # a learned [5, 6] table: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table(torch.randn(4, 6))
+        table.eval()(torch.randn(4, 6))
+
+
+def test_an_output_with_its_batch_elsewhere_than_the_input_is_reduced_there() -> None:
+    # a time-major RNN (batch_dim=1) whose head takes the last step: the output [B, C] has its batch at dimension 0
+    class LastStep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.head = nn.GRU(5, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(x)[0][-1])
+
+    torch.manual_seed(0)
+    model = bayesify.convert(LastStep(), components=4, task="classification", batch_dim=1, init="normal",
+                             init_mean_std=0.3).eval()  # fmt: skip
+    x = torch.randn(6, 3, 5)
+    with torch.no_grad():
+        mixture = model(x)
+        members = []
+        for k in range(4):
+            with bayesify.mode(model, component=k, noise=False):
+                members.append(model(x).log_softmax(-1))
+    assert mixture.shape == (3, 3)
+    torch.testing.assert_close(mixture, torch.logsumexp(torch.stack(members), 0) - math.log(4))
+    class Pairs(nn.Module):  # [1, B, 2] -> [B, 1, B]: two candidate axes
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.linear(x)[0]
+            return (y @ y.T)[:, None, :]
+
+    pairs = bayesify.convert(Pairs(), components=4, task="regression", batch_dim=1).eval()
+    with pytest.raises(ValueError, match=r"cannot tell which dimension of an output of shape \(12, 1, 12\)"):
+        pairs(torch.randn(1, 3, 2))

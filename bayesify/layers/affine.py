@@ -8,6 +8,7 @@ forward on the perturbed input; the bias it adds is accounted for.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -191,6 +192,8 @@ class Rank1Affine(Rank1Layer):
                 f"{channel_axis}, got an input of shape {tuple(x.shape)}."
             )
         draw = self.rank1_draw(1 if batch_axis is None else x.shape[batch_axis], x.device)
+        if draw.first_only and batch_axis is not None and not torch.compiler.is_compiling():
+            self._rank1_check_batch_axis(x, batch_axis, channel_axis)
         additive = self.rank1_options.perturbation is Perturbation.ADDITIVE
         folds = fold is not None and not additive and batch_axis is not None and self._rank1_folds(draw, x, fold.weight)
         if folds and not torch.is_grad_enabled() and _members_fixed(draw):
@@ -227,6 +230,24 @@ class Rank1Affine(Rank1Layer):
             known=known,
             bias=None if core_adds_bias else bias,
         )
+
+    def _rank1_check_batch_axis(self, x: Tensor, batch_axis: int, channel_axis: int) -> None:
+        """A call whose rows are not the pass's runs one member for all of them (a batch-independent input: a
+        table through an MLP). Where another dimension of ``x`` has exactly the pass's rows, the batch more likely
+        lies there (a time-major layer inside a batch-first model), and the members would mix: say so."""
+        router = self.rank1_state.model.router
+        rows = None if router.state is None else router.state.rows.shape[0]
+        ignored = (batch_axis % x.dim(), channel_axis % x.dim())
+        elsewhere = [i for i, size in enumerate(x.shape) if size == rows and i not in ignored]
+        if elsewhere:
+            warnings.warn(
+                f"{router.layer_name(self)} got an input of shape {tuple(x.shape)}, whose dimension {batch_axis} "
+                f"(convert's batch_dim) is not the pass's {rows} rows but dimension {elsewhere[0]} is: if the batch "
+                "lies there, this layer runs one member for every row and mixes the members. Make it see the batch "
+                f"at dimension {batch_axis} (e.g. batch_first=True for torch's transformer layers) or leave it out "
+                "with convert(..., exclude=...); an input that does not depend on the batch is fine.",
+                stacklevel=2,
+            )
 
     def _rank1_members_folded(
         self, x: Tensor, draw: Draw, fold: Fold, bias: Tensor | None, batch_axis: int, channel_axis: int

@@ -76,6 +76,8 @@ def reduce_output(
 
     def reduce(path: tuple, t: object, dim: int | None) -> object:
         key = output_key(path)
+        if axis is not None:
+            dim = _rows_axis(t, dim, members * batch)
         if isinstance(t, PackedSequence):
             return _reduce_packed(t, members, batch, leaf_task(task, key, model, t, members))
         tiled = (
@@ -89,6 +91,21 @@ def reduce_output(
 
     reduced = [(output_key(path), reduce(path, t, d)) for (path, t), d in zip(leaves, axes)]
     return tree_unflatten(task.finish(model, reduced, inputs), tree)
+
+
+def _rows_axis(t: object, dim: int | None, rows: int) -> int | None:
+    """The axis of a tiled leaf's ``rows`` (members x batch): where the input has its batch, else the one axis of
+    that size (an output that puts the batch elsewhere, as a time-major RNN's last step ``[B, C]`` with
+    ``batch_dim=1``); two or more such axes are refused: which one is the batch cannot be told."""
+    if not isinstance(t, Tensor) or dim is None or t.dim() == 0 or (t.dim() > dim and t.shape[dim] == rows):
+        return dim
+    found = [i for i, size in enumerate(t.shape) if size == rows]
+    if len(found) > 1:
+        raise ValueError(
+            f"bayesify cannot tell which dimension of an output of shape {tuple(t.shape)} holds the batch of its "
+            f"{rows} member rows (not dimension {dim}, where the input has it); return the batch at dimension {dim}."
+        )
+    return found[0] if found else dim
 
 
 def primary_output(output: object) -> tuple[Tensor, object]:
