@@ -403,3 +403,23 @@ def test_an_output_with_its_batch_elsewhere_than_the_input_is_reduced_there() ->
     pairs = bayesify.convert(Pairs(), components=4, task="regression", batch_dim=1).eval()
     with pytest.raises(ValueError, match=r"cannot tell which dimension of an output of shape \(12, 1, 12\)"):
         pairs(torch.randn(1, 3, 2))
+
+
+def test_one_task_of_logits_over_several_outputs_warns() -> None:
+    class LogitsAndFeatures(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = torch.relu(self.body(x))
+            return self.head(h), h
+
+    model = bayesify.convert(LogitsAndFeatures(), components=2, task="classification").eval()
+    with pytest.warns(UserWarning, match=r"reduced each of the 2 tensors of LogitsAndFeatures's output .* as logits"):
+        model(torch.randn(3, 4))
+    said = bayesify.convert(LogitsAndFeatures(), components=2, task={0: "classification", 1: "regression"}).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        logits, features = said(torch.randn(3, 4))
+    assert logits.shape == (3, 3) and features.shape == (3, 8)

@@ -8,6 +8,7 @@ lets a task finish the structure (a Hugging Face ``loss`` recomputed from the mi
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
 from bayesify.mixture import split_members
-from bayesify.predictive.tasks import Auto, Task
+from bayesify.predictive.tasks import Auto, Binary, Classification, Task
 
 __all__ = ["is_packed", "leaf_task", "output_key", "primary_output", "reduce_output"]
 
@@ -87,9 +88,20 @@ def reduce_output(
         if not tiled or task.recomputes(key):
             return t
         stacked = t.movedim(dim, 0) if axis is None else split_members(t, members, dim)
-        return leaf_task(task, key, model, stacked.shape[1:], members).reduce(stacked)  # (a shape: no op to take one)
+        found = leaf_task(task, key, model, stacked.shape[1:], members)  # (a shape: no op to take one)
+        if found is task and isinstance(task, (Classification, Binary)):
+            as_logits.append(tuple(t.shape))
+        return found.reduce(stacked)
 
+    as_logits: list[tuple[int, ...]] = []  # the leaves one task of logits reduced
     reduced = [(output_key(path), reduce(path, t, d)) for (path, t), d in zip(leaves, axes)]
+    if len(as_logits) > 1:
+        warnings.warn(
+            f"task={task.name!r} reduced each of the {len(as_logits)} tensors of {type(model).__name__}'s output "
+            f"(shapes {', '.join(map(str, as_logits))}) as logits; if some are not (features, a hidden state), say "
+            "each output's task with a dict, e.g. task={0: 'classification', 1: 'regression'}.",
+            stacklevel=2,
+        )
     return tree_unflatten(task.finish(model, reduced, inputs), tree)
 
 
