@@ -11,9 +11,11 @@ the tests fast. The other layer families: ``tests/layers/test_compile_families.p
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -231,3 +233,24 @@ def test_compiled_folded_blocks_keep_eagers_dtype_under_autocast() -> None:
         traced = compiled(x)
     assert eager.dtype == traced.dtype == torch.bfloat16
     torch.testing.assert_close(traced.float(), eager.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_compiled_evaluation_runs_each_convolution_once_for_all_members() -> None:
+    # eager evaluation folds a small convolution's K member weights (K convolutions of B rows); in a compiled graph
+    # the per-row scalings fuse into their neighbours, so each convolution runs once over the K*B rows
+    model = bayesify.convert(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 12 * 12, 4)),
+                             components=4, task="classification")  # fmt: skip
+    x = torch.randn(8, 3, 16, 16)
+    model.eval()(x)
+    convolutions: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        convolutions.append(sum(node.target in (torch.conv2d, F.conv2d) for node in gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)(x)
+    assert sum(convolutions) == 2  # (K = 4 folded: 8)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
