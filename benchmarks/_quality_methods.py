@@ -37,6 +37,8 @@ tasks: with its new head, the same weights for every method of a seed):
 | ``ft-ensemble`` | 4 fine-tunes of the pre-trained net (member 0: ``ft-deterministic``'s run; the others: their own new head and data order) | NLL each | 4 |
 | ``ft-rank1`` | ``bayesify.convert(pretrained)``, defaults (identity at init), everything fine-tuned | as ``rank1`` | the library's: ``model.eval()``, the K means |
 | ``ft-rank1-spread`` | ``bayesify.convert(pretrained, init="normal", init_mean_std=0.1)``: the K components' means spread N(1, 0.1) at conversion (issue 29's study), everything fine-tuned | as ``rank1`` | K |
+| ``ft-rank1-headsign`` | ``ft-rank1``, then only the new head's factor means (``rank1_r.loc``, ``rank1_s.loc``) set to random signs +-1 (p = 0.5, the reference's ``random_sign_init``): K different heads, as an ensemble's (head study) | as ``rank1`` | K |
+| ``ft-rank1-headnormal`` | ``ft-rank1``, then only the new head's factor means drawn N(1, 0.5) (head study) | as ``rank1`` | K |
 | ``ft-rank1-sampled`` | the ``ft-rank1`` run itself | - | K x M = 4 x 4 samples |
 | ``ft-rank1-factors`` | the adapter: ``convert`` + ``bayesify.freeze_base`` (and the new head trains, where there is one) | as ``rank1`` | K |
 | ``ft-rank1-factors-sampled`` | the ``ft-rank1-factors`` run itself | - | 4 x 4 samples |
@@ -235,6 +237,23 @@ class MCDropout(Method):
         return None
 
 
+def _reinit_head_means(head: nn.Module, how: str, seed: int) -> None:
+    """Re-draw a converted head's factor means (its K components: K different functions, as an ensemble's heads).
+
+    ``"sign"``: +-1 with probability 0.5 each (the reference's ``random_sign_init``); ``"normal"``: N(1, 0.5).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for loc in (head.rank1_r.loc, head.rank1_s.loc):
+            if how == "sign":
+                draw = torch.randint(0, 2, loc.shape, generator=generator).mul(2).sub(1)
+            elif how == "normal":
+                draw = torch.randn(loc.shape, generator=generator).mul(0.5).add(1)
+            else:
+                raise ValueError(f"head_means={how!r}: 'sign' or 'normal'")
+            loc.copy_(draw.to(loc))
+
+
 @dataclass
 class Rank1(Method):
     """A converted network trained in the plain loop (public API only).
@@ -245,7 +264,8 @@ class Rank1(Method):
     ``factor_lr`` multiplies the learning rate of ``bayesify.rank1_parameters``; ``samples`` is M;
     ``likelihood="mixture"`` (tile route only) trains ``-log mean_k p(y | x, k)`` instead of the
     mean over components of ``-log p(y | x, k)``; ``kl_warmup`` is the KL warm-up's length as a fraction
-    of the steps (None: the loop's 2/3).
+    of the steps (None: the loop's 2/3); ``head_means`` re-draws a new head's factor means after conversion
+    (:func:`_reinit_head_means`; the head study).
     """
 
     key: str = "rank1"
@@ -261,6 +281,7 @@ class Rank1(Method):
     from_pretrained: bool = False
     factors_only: bool = False
     kl_warmup: float | None = None  # the KL warm-up as a fraction of the steps (None: the loop's, 2/3)
+    head_means: str | None = None  # the new head's factor means after conversion: "sign" (+-1), "normal" (N(1, 0.5))
 
     def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
         net = copy.deepcopy(task.pretrained[seed]) if self.from_pretrained else task.make_net(0.0)
@@ -268,6 +289,8 @@ class Rank1(Method):
         if task.loop == "plain":  # the README's drop-in recipe: a custom network says what its output is
             kwargs.setdefault("task", "classification")
         bayesify.convert(net, **kwargs)
+        if self.head_means is not None and task.new_head:
+            _reinit_head_means(net.get_submodule(head_name(net)), self.head_means, seed)
         if self.factors_only:
             bayesify.freeze_base(net)  # the README's adapter: only the rank-1 parameters train
             if task.new_head:  # a new head was never trained: a frozen random head would predict nothing
@@ -507,7 +530,8 @@ def _bayesian_torch_available() -> bool:
 
 # methods that need a package of the bench extra: key -> the package (skipped with a note where it is missing)
 OPTIONAL_METHODS = {"bayesian-torch": "bayesian-torch", "ft-laplace": "laplace-torch", "ft-laplace-all": "laplace-torch"}
-STUDY_METHODS = ("ft-rank1-spread",)  # run only when named (--methods): one-off questions, answered in benchmarks/results/
+# run only when named (--methods): one-off questions, answered in benchmarks/results/
+STUDY_METHODS = ("ft-rank1-spread", "ft-rank1-headsign", "ft-rank1-headnormal")
 
 
 METHODS: list[Method] = [
@@ -544,6 +568,10 @@ FINETUNE_METHODS: list[Method] = [
     Rank1(key="ft-rank1", label="rank-1 conversion + fine-tuning (defaults)", from_pretrained=True),
     Rank1(key="ft-rank1-spread", label="rank-1 fine-tune, component means spread at conversion: init='normal', "
           "init_mean_std=0.1", convert_kwargs={"init": "normal", "init_mean_std": 0.1}, from_pretrained=True),
+    Rank1(key="ft-rank1-headsign", label="rank-1 fine-tune, the new head's factor means random signs +-1",
+          from_pretrained=True, head_means="sign"),
+    Rank1(key="ft-rank1-headnormal", label="rank-1 fine-tune, the new head's factor means N(1, 0.5)",
+          from_pretrained=True, head_means="normal"),
     Rank1(key="ft-rank1-sampled", label="rank-1 fine-tune, the same nets evaluated with 4 samples per component",
           from_pretrained=True, eval_noise=True, builds_on="ft-rank1", post_hoc=True),
     Rank1(key="ft-rank1-factors", label="rank-1 adapter (freeze_base; a new head trains too)", from_pretrained=True,

@@ -231,6 +231,29 @@ def test_plain_loop_loss_is_the_readme_recipe_and_equals_the_loop_formula() -> N
         assert torch.allclose(got, formula, rtol=1e-6, atol=1e-7)
 
 
+def test_head_study_redraws_only_the_new_heads_factor_means() -> None:
+    """``ft-rank1-headsign`` / ``-headnormal``: only the new head's means are re-drawn (seeded), the body kept."""
+    import dataclasses
+
+    from benchmarks._quality_methods import Rank1
+    from benchmarks._quality_tasks import CLASSIFICATION, Task
+
+    make = lambda p: torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))  # noqa: E731
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    task = Task("t", CLASSIFICATION, make, x, y, x, y, x, y, lambda v: [], epochs=1, batch_size=8, lr_grid=(1e-3,) * 4,
+                description="", loop="plain", new_head=True, pretrained={0: make(0.0)})  # fmt: skip
+    sign = Rank1(from_pretrained=True, head_means="sign")
+    net = sign.build(task, None, 0)
+    for loc in (net[2].rank1_r.loc, net[2].rank1_s.loc):
+        assert set(loc.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(net[2].rank1_r.loc, sign.build(task, None, 0)[2].rank1_r.loc)  # the seed's draw
+    assert all(bool((p.loc == 1).all()) for p in (net[0].rank1_r, net[0].rank1_s))  # the body: the identity
+    normal = Rank1(from_pretrained=True, head_means="normal").build(task, None, 0)[2].rank1_s.loc.detach()
+    assert 0.2 < float(normal.std()) < 1.0 and not (normal == 1).any()
+    kept = Rank1(from_pretrained=True, head_means="sign").build(dataclasses.replace(task, new_head=False), None, 0)
+    assert bool((kept[2].rank1_r.loc == 1).all())  # a kept (pre-trained) head is not re-drawn
+
+
 def test_device_option_resolves_auto_and_refuses_a_missing_gpu() -> None:
     from benchmarks._quality_methods import device, set_device
 
