@@ -116,13 +116,27 @@ def resume_run_config(explicit: dict[str, Any]) -> TrainConfig:
     if not (out / CHECKPOINT).exists():
         raise ValueError(f"--resume: there is no checkpoint at {out / CHECKPOINT}; drop --resume to start a new run there.")
     saved = load_checkpoint(out / CHECKPOINT)["config"]
-    for key in ("model", "data"):
-        if key in explicit and explicit[key] != saved[key]:
+    before, after = TrainConfig.from_dict(saved), TrainConfig.from_dict({**saved, **explicit, "resume": True})
+    for key in _FIXED_AT_RESUME:
+        if key in explicit and getattr(after, key) != getattr(before, key):
+            flag = "--" + key.replace("_", "-")
             raise ValueError(
-                f"--{key} {explicit[key]} differs from the run in {out}, which trained --{key} {saved[key]}; "
-                f"resume without --{key}, or train a new run in another --out."
+                f"{_said(flag, getattr(after, key))} differs from the run in {out}, which trained with "
+                f"{_said(flag, getattr(before, key))} (its checkpoint holds that model); resume without it, or train a "
+                "new run in another --out."
             )
-    return TrainConfig.from_dict({**saved, **explicit, "resume": True})
+    return after
+
+
+def _said(flag: str, value: Any) -> str:
+    """An option as the command line says it: ``--adapter`` / ``--no-adapter``, ``--prior cauchy``."""
+    if isinstance(value, bool):
+        return flag if value else "--no-" + flag[2:]
+    return f"{flag} {value}"
+
+
+# what the checkpoint's model is: the network, its data (classes, shapes) and every conversion option
+_FIXED_AT_RESUME = ("model", "data", "adapter", "deterministic", *(f.name for f in dataclasses.fields(bayesify.Rank1Config)))
 
 
 def load_run(out: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
