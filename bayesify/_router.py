@@ -101,6 +101,9 @@ class Router:
         state = dict(self.__dict__)
         state["state"], state["active"], state["tiled_rows"] = None, False, {}
         state["root_ref"] = None  # a weak reference (not picklable); the copy's root sets it again in its next pass
+        # a mode() is the caller's block around this model: a copy (or a saved model) made inside it leaves it behind,
+        # as the block's exit would not reach the copy
+        state["overrides"] = []
         return state
 
     @property

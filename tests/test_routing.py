@@ -423,3 +423,19 @@ def test_one_task_of_logits_over_several_outputs_warns() -> None:
         warnings.simplefilter("error")
         logits, features = said(torch.randn(3, 4))
     assert logits.shape == (3, 3) and features.shape == (3, 8)
+
+
+def test_a_copy_or_a_save_made_inside_mode_is_the_model_outside_it(tmp_path) -> None:
+    import copy
+
+    net = _net().eval()
+    x = torch.randn(5, 5)
+    with bayesify.mode(net, route="tile"):
+        copied = copy.deepcopy(net)
+    with bayesify.mode(net, component=2, noise=False):
+        torch.save(net, tmp_path / "net.pt")
+    loaded = torch.load(tmp_path / "net.pt", weights_only=False)
+    with torch.no_grad():
+        for other in (copied, loaded):
+            assert other(x).shape == (5, 4)  # the mixture, not the tiled K*B rows or member 2
+            torch.testing.assert_close(other(x), net(x))
