@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from bayesify._router import RouteSpec, is_example_list
-from bayesify.model_state import find_root, model_state, split_output
+from bayesify.inspection import inside
+from bayesify.model_state import ModelState, find_root, is_root, model_state, split_output
 from bayesify.options import Route, parse_option
 from bayesify.predictive.tasks import Task, resolve_task
 
@@ -48,7 +49,7 @@ def mode(
         >>> with bayesify.mode(model, route="tile", noise=False):
         ...     members = model(x)            # [K*B, ...]: the K posterior-mean members
     """
-    router = model_state(model).router
+    router = _one_model(model, "bayesify.mode").router
     if component is not None and route is None:
         route = Route.COMPONENT
     route = None if route is None else parse_option(route, Route, "route")
@@ -93,7 +94,7 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
         >>> members = bayesify.predict(model.eval(), x, samples=4)     # [K*4, B, classes]
         >>> probs = members.softmax(-1).mean(0)
     """
-    router = model_state(model).router
+    router = _one_model(model, "bayesify.predict").router
     if noise is None:  # decided where every pass's is (what an enclosing mode() said, else the defaults)
         noise = router.default_noise(_training(model), samples)
     with torch.no_grad():
@@ -107,6 +108,20 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
         with mode(model, Route.TILE, samples=samples, noise=noise):
             output = model(*args, **kwargs)
     return split_output(model, output)
+
+
+def _one_model(model: nn.Module, caller: str) -> ModelState:
+    """The state of the converted model ``model`` is or holds; a module holding several side by side is refused,
+    naming them (a mode would reach the first only: its members and the others' would not line up)."""
+    roots = [(name, m) for name, m in model.named_modules() if is_root(m)]
+    outer = [(name, m) for name, m in roots if not any(o is not m and inside(name, [n]) for n, o in roots)]
+    if len(outer) > 1:
+        names = ", ".join(repr(name) for name, _ in outer)
+        raise ValueError(
+            f"{type(model).__name__} holds {len(outer)} converted models ({names}); {caller} acts on one: call it on "
+            f"each (e.g. {caller}(model.{outer[0][0]}, ...)), or convert the whole model once."
+        )
+    return model_state(model)
 
 
 def _training(model: nn.Module) -> bool:

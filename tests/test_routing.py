@@ -439,3 +439,22 @@ def test_a_copy_or_a_save_made_inside_mode_is_the_model_outside_it(tmp_path) -> 
         for other in (copied, loaded):
             assert other(x).shape == (5, 4)  # the mixture, not the tiled K*B rows or member 2
             torch.testing.assert_close(other(x), net(x))
+
+
+def test_mode_and_predict_refuse_a_module_holding_two_converted_models_side_by_side() -> None:
+    class Two(nn.Module):  # mode() would reach the first only: its members and the other's would not line up
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = _net(), _net()
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.a(x), self.b(x)
+
+    two = Two().eval()
+    with pytest.raises(ValueError, match=r"Two holds 2 converted models \('a', 'b'\); bayesify.mode acts on one"):
+        with bayesify.mode(two, route="tile"):
+            pass
+    with pytest.raises(ValueError, match=r"bayesify.predict acts on one: call it on each"):
+        bayesify.predict(two, torch.randn(2, 5))
+    with bayesify.mode(two.a, route="tile"):  # each on its own
+        assert two.a(torch.randn(2, 5)).shape == (6, 4)
