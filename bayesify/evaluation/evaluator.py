@@ -26,7 +26,7 @@ from bayesify.evaluation.corruptions import (
     parse_corruptions,
     parse_severities,
 )
-from bayesify.evaluation.metrics import compute_metrics, member_log_probs_from_logits, task_metrics
+from bayesify.evaluation.metrics import as_class_labels, compute_metrics, member_log_probs_from_logits, task_metrics
 from bayesify.evaluation.ood import ood_metrics_per_score, score_notes
 from bayesify.inspection import is_converted, model_task, num_components
 from bayesify.mode import predict
@@ -68,7 +68,28 @@ def collect_members(
         noise: sample the factors (True) or use the posterior means (False); None: as
             :func:`bayesify.predict` decides (sampled for ``samples > 1``, else the model's default).
     """
-    model.eval()
+    with evaluation_mode(model):
+        return _collect_members(model, batches, samples, device, transform, corrupt, noise)
+
+
+@contextlib.contextmanager
+def evaluation_mode(*models: nn.Module) -> Iterator[None]:
+    """``models`` in ``eval()`` inside, each module's own train / eval flag as it was after (a mid-epoch
+    evaluation leaves a training loop training, and a norm layer the user froze with ``.eval()`` frozen)."""
+    flags = [(module, module.training) for model in models for module in model.modules()]
+    for model in models:
+        model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
+
+
+def _collect_members(
+    model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]], samples: int, device: torch.device | str,
+    transform: Transform | None, corrupt: Callable[[Tensor, int], Tensor] | None, noise: bool | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     converted = is_converted(model)
     outputs, targets = [], []
     for index, (x, y) in enumerate(batches):
@@ -109,7 +130,8 @@ def predict_members(
     members, labels = collect_members(
         model, batches, samples=samples, device=device, transform=transform, corrupt=corrupt
     )
-    return member_log_probs_from_logits(members), labels.long()
+    log_probs = member_log_probs_from_logits(members)
+    return log_probs, as_class_labels(labels, log_probs.shape[-1])
 
 
 def _prepare(x: Tensor, device: torch.device | str, transform: Transform | None) -> Tensor:
@@ -351,37 +373,36 @@ def compare_corruptions(
     severities = parse_severities(severities)
     device = torch.device(device)
     loader = _loader(data, batch_size)
-    for model, _ in models:
-        model.eval()
-    results: list[dict[str, dict[int, dict[str, float]]]] = [{name: {} for name in names} for _ in models]
-    jobs = [(name, severity) for name in names for severity in severities]
-    bar = tqdm(jobs, desc="corruptions", disable=None if progress is None else not progress, leave=False)
-    for name, severity in bar:
-        bar.set_postfix_str(f"{name} {severity}")
-        # every model draws the noise it would draw alone: seed 0 for each set, then the loader's
-        # iterator (a DataLoader takes its base seed from the generator), then its forward passes
-        start = _RandomStream.seeded(0, device)
-        with start.drawing():
-            batches = iter(loader)
-        streams = [start.copy() for _ in models]
-        outputs: list[list[Tensor]] = [[] for _ in models]
-        labels = []
-        for index, (x, y) in enumerate(batches):
-            x = corrupt_images(x, name, severity, seed=corruption_seed(seed, name, severity, index), min_size=min_size)
-            x = _prepare(x, device, transform)
-            for (model, samples), stream, out in zip(models, streams, outputs):
-                with stream.drawing():
-                    out.append(_member_log_probs(model, x, samples))
-            labels.append(y.cpu())
-        if not labels:
-            raise ValueError("the test set is empty: nothing to evaluate.")
-        targets = torch.cat(labels).long()
-        for (model, _), out, result in zip(models, outputs, results):
-            metrics = compute_metrics(
-                torch.cat(out, 1), targets, components=num_components(model), bins=bins, members=False
-            )
-            result[name][severity] = {key: float(metrics[key]) for key in _CORRUPTION_METRICS}
-    return [_summarise(result, names, severities) for result in results]
+    with evaluation_mode(*(model for model, _ in models)):
+        results: list[dict[str, dict[int, dict[str, float]]]] = [{name: {} for name in names} for _ in models]
+        jobs = [(name, severity) for name in names for severity in severities]
+        bar = tqdm(jobs, desc="corruptions", disable=None if progress is None else not progress, leave=False)
+        for name, severity in bar:
+            bar.set_postfix_str(f"{name} {severity}")
+            # every model draws the noise it would draw alone: seed 0 for each set, then the loader's
+            # iterator (a DataLoader takes its base seed from the generator), then its forward passes
+            start = _RandomStream.seeded(0, device)
+            with start.drawing():
+                batches = iter(loader)
+            streams = [start.copy() for _ in models]
+            outputs: list[list[Tensor]] = [[] for _ in models]
+            labels = []
+            for index, (x, y) in enumerate(batches):
+                x = corrupt_images(x, name, severity, seed=corruption_seed(seed, name, severity, index), min_size=min_size)
+                x = _prepare(x, device, transform)
+                for (model, samples), stream, out in zip(models, streams, outputs):
+                    with stream.drawing():
+                        out.append(_member_log_probs(model, x, samples))
+                labels.append(y.cpu())
+            if not labels:
+                raise ValueError("the test set is empty: nothing to evaluate.")
+            targets = torch.cat(labels)
+            for (model, _), out, result in zip(models, outputs, results):
+                metrics = compute_metrics(
+                    torch.cat(out, 1), targets, components=num_components(model), bins=bins, members=False
+                )
+                result[name][severity] = {key: float(metrics[key]) for key in _CORRUPTION_METRICS}
+        return [_summarise(result, names, severities) for result in results]
 
 
 _CORRUPTION_METRICS = ("nll", "accuracy", "ece")

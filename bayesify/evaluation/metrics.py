@@ -74,6 +74,27 @@ def _check(member_log_probs: Tensor, labels: Tensor) -> None:
         )
 
 
+def as_class_labels(labels: Tensor, classes: int) -> Tensor:
+    """``labels`` as class indices in ``[0, classes)``, or a one-line error for a value that is not one: a fractional
+    label (truncating it would score another class) or one out of range (an ignore index such as -100 or 255)."""
+    if labels.is_floating_point():
+        fractional = labels[labels != labels.round()]
+        if fractional.numel():
+            raise ValueError(
+                f"classification labels are class indices; got the fractional label {fractional[0].item():g} (a "
+                "regression target? say task='regression')."
+            )
+    labels = labels.long()
+    if labels.numel():
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= classes:
+            raise ValueError(
+                f"label {low if low < 0 else high} is not a class of the {classes}-class output (labels lie in "
+                f"[0, {classes})); leave out the examples an ignore index (-100, 255) marks before evaluating."
+            )
+    return labels
+
+
 def mixture_log_probs(member_log_probs: Tensor) -> Tensor:
     """``log mean_s p_s``: the uniform mixture's log-probabilities ``[N, C]``."""
     return logmeanexp(member_log_probs, 0)
@@ -220,7 +241,7 @@ def compute_metrics(
     """
     _check(member_log_probs, labels)
     member_log_probs = member_log_probs.float()
-    labels = labels.long()
+    labels = as_class_labels(labels, member_log_probs.shape[-1])
     probs = mixture_log_probs(member_log_probs).exp()
     out: dict[str, object] = {
         "nll": float(negative_log_likelihood(member_log_probs, labels)),
@@ -254,7 +275,7 @@ def task_metrics(
     task = resolve_task(task, needed_by="task_metrics")
     log_probs = task.member_log_probs(outputs)
     if log_probs is not None:  # categorical: every pixel / token / label a row
-        return compute_metrics(log_probs, targets.reshape(-1).long(), components=components, bins=bins, members=members)
+        return compute_metrics(log_probs, targets.reshape(-1), components=components, bins=bins, members=members)
     moments = task.member_moments(outputs)
     if moments is not None:
         means, variances = moments

@@ -137,3 +137,25 @@ def test_aurc_rewards_confidence_that_ranks_errors_last():
     aurc_bad = float(risk_coverage(probs(bad), labels)[1].mean())
     error = float(wrong.double().mean())
     assert aurc_good < error < aurc_bad
+
+
+def test_evaluate_checks_class_labels_and_leaves_the_model_as_it_was() -> None:
+    from torch.utils.data import TensorDataset
+
+    import bayesify
+
+    torch.manual_seed(0)
+    net = bayesify.convert(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)),
+                           task="classification")  # fmt: skip
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    net.train()
+    net[1].eval()  # a norm layer the user froze
+    expected = bayesify.evaluation.evaluate(net, TensorDataset(x, y))["nll"]
+    assert net.training and net[0].training and not net[1].training  # as it was, module by module
+    assert bayesify.evaluation.evaluate(net, TensorDataset(x, y.float()))["nll"] == expected  # integral floats: fine
+    with pytest.raises(ValueError, match=r"got the fractional label \d.5 \(a regression target\? say task='regression'\)"):
+        bayesify.evaluation.evaluate(net, TensorDataset(x, y.float() + 0.5))  # (truncated, it scored another class)
+    for ignored in (-100, 255, 3):
+        labels = torch.where(torch.arange(10) < 2, ignored, y)
+        with pytest.raises(ValueError, match=rf"label {ignored} is not a class of the 3-class output"):
+            bayesify.evaluation.evaluate(net, TensorDataset(x, labels))
