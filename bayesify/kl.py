@@ -8,6 +8,8 @@ examples for the per-example ELBO term.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor, nn
 
@@ -63,12 +65,21 @@ def kl_loss(model: nn.Module, num_train: int, *, step: int | None = None, warmup
     References:
         Dusenberry et al., ICML 2020, Eq. 3 (the ELBO) and Sec. 5 (KL annealing).
     """
-    if isinstance(num_train, bool) or not isinstance(num_train, int) or num_train < 1:
-        raise ValueError(f"num_train={num_train!r} must be the number of training examples (an int >= 1).")
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps!r} must be >= 0 (0: no warm-up).")
-    weight = 1.0 if step is None else kl_scale(step, warmup_steps)
+    num_train = _count("num_train", num_train, 1, "the number of training examples")
+    warmup_steps = _count("warmup_steps", warmup_steps, 0, "steps of the warm-up; 0: none")
+    weight = 1.0 if step is None else kl_scale(_count("step", step, 0, "the 0-based optimizer step"), warmup_steps)
     return kl_divergence(model) * (weight / num_train)
+
+
+def _count(name: str, value: object, least: int, what: str) -> int:
+    """``value`` as an int >= ``least`` (a Python, NumPy or one-element integer tensor count), or a one-line error."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point() and value.dtype != torch.bool:
+        value = int(value.item())
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{name}={value!r} must be {what} (an integer >= {least}).")
+    return value
 
 
 def kl_scale(step: int, annealing_steps: int) -> float:

@@ -33,11 +33,16 @@ def test_the_weight_rises_linearly_over_the_warm_up_then_stays_one() -> None:
         torch.testing.assert_close(bayesify.kl_loss(model, 100, step=step, warmup_steps=10), full * weight)
     torch.testing.assert_close(bayesify.kl_loss(model, 100), full)  # no step: the full term
     torch.testing.assert_close(bayesify.kl_loss(model, 100, step=3, warmup_steps=0), full)
+    # counts as a loop may hold them: NumPy integers, one-element integer tensors (len of a tensor data set, a step)
+    np = pytest.importorskip("numpy")
+    torch.testing.assert_close(bayesify.kl_loss(model, np.int64(100), step=torch.tensor(4), warmup_steps=np.int32(10)), full * 0.5)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"num_train": 0}, "num_train=0"), ({"num_train": 2.5}, "num_train=2.5"), ({"num_train": True}, "num_train=True"),
     ({"num_train": 10, "warmup_steps": -1}, "warmup_steps=-1"),
+    ({"num_train": 10, "step": -5, "warmup_steps": 10}, r"step=-5 must be the 0-based optimizer step"),  # (weight -0.4)
+    ({"num_train": torch.tensor(2.5)}, r"num_train=tensor\(2.5000\)"),
 ])  # fmt: skip
 def test_bad_arguments_name_the_value(kwargs: dict, message: str) -> None:
     model = bayesify.convert(_net(), task="classification")
