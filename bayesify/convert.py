@@ -310,10 +310,13 @@ def _state_for(model: nn.Module, config: Rank1Config, said: Task) -> ModelState:
     """The model's state: the existing one on a second conversion (whose model-wide options it must keep), else a
     new one."""
     existing = model.__dict__.get(ATTRIBUTE)
-    inner = [layer for _, layer in rank1_layers(model)]
+    inner = [(name, layer) for name, layer in rank1_layers(model)]
+    converted = type(model).__name__
     if existing is None and inner:
-        existing = inner[0].rank1_state.model  # a part of the model was converted on its own before
+        existing = inner[0][1].rank1_state.model  # a part of the model was converted on its own before
         existing.report = ConversionReport()  # (its names were relative to that part)
+        converted = f"a part of {type(model).__name__} (holding {inner[0][0]!r})"
+    inner = [layer for _, layer in inner]
     if existing is None:
         return ModelState(config.model_options())
     # the options every layer reads from the model state cannot change for some layers only (a task may be said
@@ -325,7 +328,7 @@ def _state_for(model: nn.Module, config: Rank1Config, said: Task) -> ModelState:
         was = ", ".join(f"{name}={_shown(existing.task if name == 'task' else getattr(existing.options, name))}" for name in differ)
         got = ", ".join(f"{name}={_shown(said if name == 'task' else getattr(config, name))}" for name in differ)
         raise ValueError(
-            f"{type(model).__name__} was converted with {was}; a second convert() must use the same model-wide "
+            f"{converted} was converted with {was}; a second convert() must use the same model-wide "
             f"option(s) (got {got}): pass those, or call bayesify.revert(model) and convert again."
         )
     # one state per model: every layer takes it, and a part converted on its own before is a root no more

@@ -221,6 +221,7 @@ def evaluate(
         noise) does not touch the caller's generator state: evaluation runs inside
         ``torch.random.fork_rng``, seeded, so the same weights give the same numbers.
     """
+    _check_bins(bins)
     device = torch.device(device)
     k = num_components(model)
     task = model_task(model, task, needed_by="evaluate()")
@@ -369,6 +370,7 @@ def compare_corruptions(
     """
     from tqdm.auto import tqdm
 
+    _check_bins(bins)
     names = parse_corruptions(corruptions)
     severities = parse_severities(severities)
     device = torch.device(device)
@@ -406,6 +408,12 @@ def compare_corruptions(
 
 
 _CORRUPTION_METRICS = ("nll", "accuracy", "ece")
+
+
+def _check_bins(bins: object) -> None:
+    """Before any work: the ECE's number of bins (an error after a whole evaluation would lose it)."""
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"bins={bins!r} must be the number of equal-width confidence bins of the ECE (an int >= 1).")
 
 
 def _summarise(

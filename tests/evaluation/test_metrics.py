@@ -159,3 +159,5 @@ def test_evaluate_checks_class_labels_and_leaves_the_model_as_it_was() -> None:
         labels = torch.where(torch.arange(10) < 2, ignored, y)
         with pytest.raises(ValueError, match=rf"label {ignored} is not a class of the 3-class output"):
             bayesify.evaluation.evaluate(net, TensorDataset(x, labels))
+    with pytest.raises(ValueError, match=r"bins=0 must be the number of equal-width confidence bins"):
+        bayesify.evaluation.evaluate(net, TensorDataset(x, y), bins=0)
