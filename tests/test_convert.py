@@ -298,3 +298,19 @@ def test_summary_names_a_layer_put_in_after_the_conversion_and_the_fix() -> None
                                    "bayesify.convert(model) again to convert it")  # fmt: skip
     bayesify.convert(net)
     assert "2" not in bayesify.summary(net, torch.randn(2, 4)).skipped
+
+
+def test_a_second_conversion_with_other_model_wide_options_names_what_was_converted() -> None:
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    bayesify.convert(net, components=2, task="classification")
+    with pytest.raises(ValueError, match=r"^Sequential was converted with components=2; a second convert\(\) must use"):
+        bayesify.convert(net, components=4)
+
+    class Outer(nn.Module):  # a part converted on its own before: named, not the outer model
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = bayesify.convert(nn.Sequential(nn.Linear(4, 8)), components=2, task="regression")
+            self.head = nn.Linear(8, 3)
+
+    with pytest.raises(ValueError, match=r"^a part of Outer \(holding 'inner.0'\) was converted with components=2"):
+        bayesify.convert(Outer(), components=4)
