@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -266,6 +267,13 @@ class Trainer:
         """The model on this process's device (sharded with FSDP), and whether it is converted."""
         model = self.model.to(dist.device)
         converted = bayesify.is_converted(model)
+        if not converted and not self.config.deterministic:
+            warnings.warn(
+                f"Trainer got a {type(model).__name__} that is not converted: it trains as it is, a deterministic "
+                f"network (the config's K={self.config.components} is not used); pass bayesify.convert(model) for a "
+                "rank-1 BNN, or deterministic=True to say you mean a baseline.",
+                stacklevel=3,
+            )
         self._check_batch_fits_route(model, per_process, converted)
         if self.config.strategy is Strategy.FSDP:
             if not dist.ddp:

@@ -1,6 +1,7 @@
 """The trainer: routes, precision, metrics.jsonl, checkpoints, exact resume, clear errors."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -132,3 +133,19 @@ def test_the_step_is_compiled_by_default_on_cuda_only(tmp_path, digits, monkeypa
     config = _config(tmp_path, compile=setting, max_steps=1)
     _train(config, digits)
     assert bool(calls) is compiled
+
+
+def test_an_unconverted_model_trains_as_it_is_with_a_warning_unless_said(tmp_path) -> None:
+    from bayesify.training import TrainConfig, Trainer
+    from bayesify.zoo.data import load_data
+    from bayesify.zoo.models import create_model
+
+    bundle = load_data("digits")
+    plain = lambda: create_model("mlp", in_channels=1, num_classes=10, input_shape=(1, 8, 8))  # noqa: E731
+    config = TrainConfig(model="mlp", data="digits", max_steps=1, out=str(tmp_path / "a"), progress=False)
+    with pytest.warns(UserWarning, match=r"Trainer got a .* that is not converted: it trains as it is"):
+        Trainer(config, plain(), bundle).run()
+    said = TrainConfig(model="mlp", data="digits", max_steps=1, out=str(tmp_path / "b"), progress=False, deterministic=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        Trainer(said, plain(), bundle).run()
