@@ -124,6 +124,11 @@ def test_corruptions_need_images_and_resume_keeps_the_model(tmp_path, capsys):
     assert "--model cnn differs from the run" in capsys.readouterr().err
     # a conversion option the checkpoint's model was made with: changed at resume it would read the same weights as
     # another model (additive factors: NLL 0.19 -> 3.6), so it is refused in one line, as --model is
+    assert cli.main(["train", "--model", "mlp", "--data", "breast-cancer", "--epochs", "2", "--out", str(tmp_path / "two"),
+                     "--no-progress"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert cli.main(["train", "--out", str(tmp_path / "two"), "--resume", "--epochs", "1"]) == 2
+    assert "--epochs 1 is fewer than the 2 epochs the run" in capsys.readouterr().err
     for flag in (["--perturbation", "additive"], ["--prior", "cauchy"], ["--components", "2"], ["--deterministic"]):
         assert cli.main(["train", "--out", str(tmp_path / "bc"), "--resume", *flag]) == 2
         assert f"{flag[0]} " in (err := capsys.readouterr().err) and "differs from the run" in err, err

@@ -115,8 +115,15 @@ def resume_run_config(explicit: dict[str, Any]) -> TrainConfig:
     out = Path(explicit["out"])
     if not (out / CHECKPOINT).exists():
         raise ValueError(f"--resume: there is no checkpoint at {out / CHECKPOINT}; drop --resume to start a new run there.")
-    saved = load_checkpoint(out / CHECKPOINT)["config"]
+    checkpoint = load_checkpoint(out / CHECKPOINT)
+    saved = checkpoint["config"]
     before, after = TrainConfig.from_dict(saved), TrainConfig.from_dict({**saved, **explicit, "resume": True})
+    trained = int(checkpoint.get("epoch", 0))
+    if "epochs" in explicit and after.epochs < trained:
+        raise ValueError(
+            f"--epochs {after.epochs} is fewer than the {trained} epochs the run in {out} has trained; resume with "
+            f"--epochs {trained + 1} or more to train on (bayesify evaluate --out {out} evaluates it as it is)."
+        )
     for key in _FIXED_AT_RESUME:
         if key in explicit and getattr(after, key) != getattr(before, key):
             flag = "--" + key.replace("_", "-")
