@@ -113,6 +113,8 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
 def _one_model(model: nn.Module, caller: str) -> ModelState:
     """The state of the converted model ``model`` is or holds; a module holding several side by side is refused,
     naming them (a mode would reach the first only: its members and the others' would not line up)."""
+    if is_root(model):  # the converted model itself (any other root inside it is a part of it)
+        return model_state(model)
     roots = [(name, m) for name, m in model.named_modules() if is_root(m)]
     outer = [(name, m) for name, m in roots if not any(o is not m and inside(name, [n]) for n, o in roots)]
     if len(outer) > 1:
