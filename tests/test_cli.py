@@ -207,3 +207,36 @@ def test_fashion_mnist_from_data_dir_trains_and_evaluates_mnist_as_ood(tmp_path,
     ood = report["clean"]["ood"]
     assert set(ood) == {"max_probability", "entropy", "mutual_information"}
     assert all(0.0 <= ood[s]["auroc"] <= 1.0 for s in ood)
+
+
+def test_a_factory_whose_model_changed_since_the_run_trained_is_named_in_one_line(tmp_path, capsys, monkeypatch):
+    """`--model module:factory`, then the file edited (other layers): `evaluate` and `--resume` name the keys that
+    differ and the fix, where they ended in load_state_dict's traceback of every key."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # (the edited file must be read again, not its .pyc)
+    factory = tmp_path / "edited_net.py"
+
+    def write(*widths: int) -> None:
+        layers = ", ".join(f"nn.Linear({a}, {b}), nn.ReLU()" for a, b in zip((64, *widths), widths))
+        factory.write_text(
+            "from torch import nn\n\n\ndef build(num_classes):\n"
+            f"    return nn.Sequential(nn.Flatten(), {layers}, nn.Linear({widths[-1]}, num_classes))\n"
+        )
+        monkeypatch.delitem(sys.modules, "edited_net", raising=False)
+
+    write(16)
+    argv = ["train", "--model", "edited_net:build", "--data", "digits", "--max-steps", "2", "--epochs", "1"]
+    assert cli.main([*argv, "--no-progress", "--out", str(tmp_path / "run")]) == 0
+    saved = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    write(32, 32)  # the first layer wider, one more layer
+    capsys.readouterr()
+    for command in (["evaluate", "--out", str(tmp_path / "run")],
+                    ["train", "--out", str(tmp_path / "run"), "--resume", "--epochs", "2", "--no-progress"]):  # fmt: skip
+        assert cli.main(command) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert "the model that --model edited_net:build builds now does not match the weights in" in err
+        assert "not in the checkpoint: '5.weight', '5.bias'" in err  # the new layer
+        assert "another shape: '1.weight' ([16, 64] saved, [32, 64] now)" in err  # the wider one
+        assert "Put it back as it was to use this run, or train a new run in another --out" in err
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == saved

@@ -37,7 +37,7 @@ from bayesify.layers import Rank1Layer
 from bayesify.predictive.tasks import Binary, Classification, Task
 from bayesify.training.config import TrainConfig
 from bayesify.training.distributed import resolve_device
-from bayesify.training.run import EVALUATION, REPORT, load_run, restore_model, run_task
+from bayesify.training.run import CHECKPOINT, EVALUATION, REPORT, load_run, restore_model, run_task
 from bayesify.zoo.data import DataBundle, DataKind, InMemoryDataset, data_names, load_data
 
 __all__ = ["LoadedRun", "evaluate_run", "open_run"]
@@ -110,7 +110,7 @@ def open_run(
     config, state = load_run(directory)
     if data is None:
         data = load_data(config.data, data_dir or config.data_dir, seed=0)
-    model = restore_model(config, state, data)  # the weights come from the checkpoint: no download
+    model = restore_model(config, state, data, checkpoint=directory / CHECKPOINT)  # weights from the checkpoint
     model.to(resolve_device(device)).eval()
     return LoadedRun(directory, config, model, data, int(state["step"]), run_task(config, data))
 

@@ -11,6 +11,7 @@ The file names are spelled here only.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,9 @@ import torch
 from torch import nn
 
 import bayesify
+from bayesify.predictive.tasks import Task, TaskName
 from bayesify.training.checkpoint import load_checkpoint
 from bayesify.training.config import TrainConfig
-from bayesify.predictive.tasks import Task, TaskName
 from bayesify.training.recipes import apply_preset
 from bayesify.zoo.data import DataBundle
 from bayesify.zoo.models import create_model
@@ -32,6 +33,7 @@ __all__ = [
     "METRICS",
     "REPORT",
     "build_model",
+    "load_model_state",
     "load_run",
     "new_run_config",
     "restore_model",
@@ -153,9 +155,63 @@ def load_run(out: str | Path) -> tuple[TrainConfig, dict[str, Any]]:
 
 
 def restore_model(
-    config: TrainConfig, state: dict[str, Any], bundle: DataBundle
+    config: TrainConfig, state: dict[str, Any], bundle: DataBundle, *, checkpoint: str | Path | None = None
 ) -> nn.Module:
-    """The run's model rebuilt and loaded with the checkpoint's weights (no pretrained download, no weights file)."""
+    """The run's model rebuilt and loaded with the checkpoint's weights (no pretrained download, no weights file).
+
+    Raises:
+        ValueError: the model that ``config.model`` builds now has other parameters than the checkpoint holds
+            (its code changed since the run trained; see :func:`load_model_state`); ``checkpoint`` names the file.
+    """
     model = build_model(without_start_weights(config), bundle)
-    model.load_state_dict(state["model"])
+    load_model_state(model, state["model"], config, checkpoint or Path(config.out) / CHECKPOINT)
     return model
+
+
+def load_model_state(model: nn.Module, weights: Mapping[str, Any], config: TrainConfig, checkpoint: str | Path) -> None:
+    """``model.load_state_dict(weights)`` (strict), where ``model`` was built from ``config`` to take a run's weights.
+
+    Raises:
+        ValueError: in one line, when the model has other parameters or buffers than the checkpoint holds,
+            naming a key or two of each kind: the model that ``--model`` builds changed since the run trained (the
+            file of a ``module:factory`` edited, another timm or torchvision version), and the weights are not its
+            (torch has loaded the keys that fit, as ``load_state_dict`` does before it raises: discard the model).
+    """
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError:  # torch's error lists every key on a line of its own; name a few, and the fix
+        differences = _differences(model.state_dict(), weights)
+        if not differences:
+            raise
+        raise ValueError(
+            f"the model that --model {config.model} builds now does not match the weights in {checkpoint} "
+            f"({'; '.join(differences)}): has its code changed since the run trained (an edited module:factory file, "
+            "another timm or torchvision version)? Put it back as it was to use this run, or train a new run in "
+            "another --out."
+        ) from None
+
+
+def _differences(current: Mapping[str, Any], saved: Mapping[str, Any]) -> list[str]:
+    """What tells a model's state from a checkpoint's, a key or two of each kind (the network's own keys first)."""
+
+    def named(keys: list[str], say: Callable[[str], str] = repr) -> str:
+        keys = sorted(keys, key=lambda key: "rank1_" in key)  # (stable: the model's order otherwise)
+        more = f" and {len(keys) - 2} more" if len(keys) > 2 else ""
+        return ", ".join(say(key) for key in keys[:2]) + more
+
+    def shape(value: Any) -> list[int]:
+        return list(getattr(value, "shape", ()))
+
+    missing = [key for key in current if key not in saved]
+    unexpected = [key for key in saved if key not in current]
+    reshaped = [key for key in current if key in saved and shape(current[key]) != shape(saved[key])]
+    found = []
+    if missing:
+        found.append(f"not in the checkpoint: {named(missing)}")
+    if unexpected:
+        found.append(f"in the checkpoint, not in the model: {named(unexpected)}")
+    if reshaped:
+        found.append(
+            "another shape: " + named(reshaped, lambda key: f"{key!r} ({shape(saved[key])} saved, {shape(current[key])} now)")
+        )
+    return found

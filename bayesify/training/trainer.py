@@ -48,7 +48,7 @@ from bayesify.training.distributed import Distributed, setup
 from bayesify.training.fsdp import shard
 from bayesify.training.objective import Objective, unwrap
 from bayesify.training.optim import WarmupStepDecay, build_optimizer, param_groups
-from bayesify.training.run import CHECKPOINT, METRICS, build_model, run_task, without_start_weights
+from bayesify.training.run import CHECKPOINT, METRICS, build_model, load_model_state, run_task, without_start_weights
 from bayesify.training.sampler import ResumableBatchSampler
 from bayesify.training.sharded_checkpoint import load_sharded, save_sharded
 from bayesify.zoo.data import DataBundle, load_data
@@ -323,11 +323,12 @@ class Trainer:
                 f"{run.checkpoint} was written with --strategy {saved}; resume it with --strategy {saved} "
                 f"(its optimizer state is {'in ' + state['sharded'] if saved == 'fsdp' else 'one whole state'})."
             )
+        if not sharded:  # (a model whose code changed since the run trained: named in one line, before the optimizer)
+            load_model_state(run.model, state["model"], self.config, run.checkpoint)
         try:
             if sharded:  # model and optimizer from the distributed checkpoint, resharded to this run's processes
                 load_sharded(run.checkpoint.with_name(state["sharded"]), run.model, run.optimizer)
             else:
-                run.model.load_state_dict(state["model"])
                 run.optimizer.load_state_dict(state["optimizer"])
         except ValueError as error:  # other groups: a checkpoint of an earlier release, or --adapter changed
             groups = ", ".join(g["name"] for g in run.optimizer.param_groups)
