@@ -12,6 +12,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -30,6 +32,8 @@ from bayesify.evaluation.metrics import as_class_labels, compute_metrics, member
 from bayesify.evaluation.ood import ood_metrics_per_score, score_notes
 from bayesify.inspection import is_converted, model_task, num_components
 from bayesify.mode import predict
+from bayesify.predictive.libraries import predicts_next_token
+from bayesify.predictive.outputs import leaf_task, primary_output
 from bayesify.predictive.tasks import Task
 
 __all__ = [
@@ -55,6 +59,7 @@ def collect_members(
     transform: Transform | None = None,
     corrupt: Callable[[Tensor, int], Tensor] | None = None,
     noise: bool | None = None,
+    output: object = None,
 ) -> tuple[Tensor, Tensor]:
     """The raw member outputs ``[K * M, N, ...]`` (component-major) and the targets ``[N, ...]``, on the CPU.
 
@@ -67,9 +72,11 @@ def collect_members(
         corrupt: ``corrupt(inputs, batch_index)`` applied to the raw inputs before ``transform``.
         noise: sample the factors (True) or use the posterior means (False); None: as
             :func:`bayesify.predict` decides (sampled for ``samples > 1``, else the model's default).
+        output: the part of a structured output to collect (see :func:`evaluate`); default: the one
+            :func:`bayesify.uncertainty` decomposes.
     """
     with evaluation_mode(model):
-        return _collect_members(model, batches, samples, device, transform, corrupt, noise)
+        return _collect_members(model, batches, samples, device, transform, corrupt, noise, output)[:2]
 
 
 @contextlib.contextmanager
@@ -89,27 +96,106 @@ def evaluation_mode(*models: nn.Module) -> Iterator[None]:
 def _collect_members(
     model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]], samples: int, device: torch.device | str,
     transform: Transform | None, corrupt: Callable[[Tensor, int], Tensor] | None, noise: bool | None,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+    output: object = None, *, labels: bool = True, task: Task | None = None,
+) -> tuple[Tensor, Tensor, object]:  # fmt: skip
+    """:func:`collect_members`, and the key of the output collected (None: the model returns one tensor);
+    ``labels``: the targets are scored (a language model's logits and labels are then aligned); ``task``: the
+    model's, checked to name one for the output collected at the first batch (not after the whole set)."""
     converted = is_converted(model)
-    outputs, targets = [], []
+    next_token = labels and predicts_next_token(model)
+    outputs, targets, key = [], [], None
     for index, (x, y) in enumerate(batches):
         if corrupt is not None:
             x = corrupt(x, index)
         x = x.to(device)
         if transform is not None:
             x = transform(x)
-        members = predict(model, x, samples=samples, noise=noise) if converted else model(x).unsqueeze(0)
-        if not isinstance(members, Tensor):
-            raise ValueError(
-                f"evaluate() takes models that return one tensor; {type(model).__name__} returns "
-                f"{type(members).__name__}. Evaluate its members with bayesify.predict and the functions of "
-                "bayesify.evaluation.metrics."
-            )
+        value = predict(model, x, samples=samples, noise=noise) if converted else model(x)
+        members, key = _scored_output(model, value, output)
+        if task is not None and not outputs:
+            leaf_task(task, key, model)
+        if not converted:
+            members = members.unsqueeze(0)
+        if next_token and key == "logits":  # as the model's own loss: the logits at t against the label at t + 1
+            members, y = _next_token(model, members, y)
         outputs.append(members.float().cpu())
         targets.append(y.cpu())
     if not outputs:
         raise ValueError("the test set is empty: nothing to evaluate.")
-    return torch.cat(outputs, 1), torch.cat(targets)
+    return torch.cat(outputs, 1), torch.cat(targets), key
+
+
+def _scored_output(model: nn.Module, value: object, output: object) -> tuple[Tensor, object]:
+    """The tensor of a model's output structure ``value`` that evaluation scores, and its key: the part ``output``
+    names (a key, a tuple index or an attribute), else the one :func:`bayesify.uncertainty` decomposes."""
+    name = type(model).__name__
+    if isinstance(value, Tensor):
+        if output is not None:
+            raise ValueError(
+                f"output={output!r} selects a part of a structured output, but {name} returns one tensor; leave "
+                "output out."
+            )
+        return value, None
+    if output is None:
+        try:
+            return primary_output(value)
+        except ValueError:
+            raise ValueError(
+                f"evaluate() cannot tell which part of {name}'s output ({_described(value)}) to score; say it with "
+                f"output=, one of: {_tensor_parts(value)}."
+            ) from None
+    if isinstance(value, Mapping):
+        found = value.get(output)
+    elif isinstance(value, (tuple, list)) and isinstance(output, int) and not isinstance(output, bool):
+        found = value[output] if -len(value) <= output < len(value) else None
+    else:
+        found = getattr(value, output, None) if isinstance(output, str) else None
+    if not isinstance(found, Tensor):
+        what = "is not a part of" if found is None else f"is not a tensor of predictions ({type(found).__name__}) in"
+        raise ValueError(f"output={output!r} {what} {name}'s output ({_described(value)}); pass one of: {_tensor_parts(value)}.")
+    return found, output
+
+
+def _tensor_parts(value: object) -> str:
+    """The parts of an output structure that ``output=`` can name: its tensors."""
+    return ", ".join(repr(p) for p in _parts(value) if isinstance(_part(value, p), Tensor)) or "(none: no tensor)"
+
+
+def _parts(value: object) -> list[object]:
+    """The top-level keys (a dict), indices (a tuple or list) or fields (a dataclass) of an output structure."""
+    if isinstance(value, Mapping):
+        return list(value.keys())
+    if isinstance(value, (tuple, list)):
+        return list(range(len(value)))
+    if dataclasses.is_dataclass(value):
+        return [field.name for field in dataclasses.fields(value)]
+    return []
+
+
+def _part(value: object, key: object) -> object:
+    return value[key] if isinstance(value, (Mapping, tuple, list)) else getattr(value, key)
+
+
+def _described(value: object) -> str:
+    parts = _parts(value)
+    kind = type(value).__name__
+    if isinstance(value, Mapping):
+        return f"a {kind} with keys {', '.join(map(repr, parts))}" if parts else f"an empty {kind}"
+    if isinstance(value, (tuple, list)):
+        return f"a {kind} of {len(parts)}"
+    return f"a {kind}"
+
+
+def _next_token(model: nn.Module, members: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """A language model's logits ``[S, B, T, V]`` at positions ``0 .. T-2`` and its labels ``[B, T]`` at ``1 .. T-1``:
+    the logits at t predict the token at t + 1 (the model's own loss shifts its labels so)."""
+    if members.dim() != 4 or labels.shape != members.shape[1:3]:
+        raise ValueError(
+            f"{type(model).__name__} predicts the next token: evaluate() scores its logits at each position against "
+            f"the label one position on, so it needs a label per token of shape {tuple(members.shape[1:3])} (the "
+            f"input ids, as the model's own labels= takes them), got {tuple(labels.shape)}."
+        )
+    return members[:, :, :-1], labels[:, 1:]
 
 
 def predict_members(
@@ -202,12 +288,21 @@ def evaluate(
     members: bool = True,
     task: object = None,
     ood: Dataset | DataLoader | None = None,
+    output: object = None,
+    ignore_index: int | None = None,
 ) -> dict[str, object]:
     """The paper's metrics of ``model`` on ``data``, for its task, and OOD detection against ``ood``.
 
     Classification (and binary / multi-label): NLL, accuracy, ECE, Brier (+ AUC-PR / AUC-ROC for
-    two classes), per member and diversity. Regression / Gaussian heads: RMSE, MAE, NLL, interval
-    coverage, calibration error, sharpness (see :mod:`bayesify.evaluation.regression`).
+    two classes), per member and diversity; a dense output's pixels or tokens count as examples
+    (segmentation: logits ``[B, C, H, W]`` against labels ``[B, H, W]``). Regression / Gaussian heads: RMSE,
+    MAE, NLL, interval coverage, calibration error, sharpness (see :mod:`bayesify.evaluation.regression`).
+
+    A model whose output is a structure is scored on one part of it: by default the one
+    :func:`bayesify.uncertainty` decomposes (a Hugging Face ``logits``, a torchvision segmentation model's
+    ``out``, a tuple's first element), with that part's task. A Hugging Face language model that predicts the
+    next token is scored as its own loss scores it: the logits at each position against the label one
+    position on (labels as its ``labels=`` takes them: the input ids).
 
     Args:
         task: what the output means (default: the converted model's, see :func:`model_task`).
@@ -215,29 +310,39 @@ def evaluate(
             FPR@95 of each uncertainty score (max probability, entropy, mutual information; for
             regression the total and epistemic variances) separating it from ``data``, scored from
             the sampled predictive (:func:`ood_detection`), and ``ood_scoring``, how.
+        output: the part of a structured output to score: a dict key (``"aux"``), a tuple index or an
+            attribute name; needed where no part is the primary one (a one-line error names the parts).
+        ignore_index: a class label that marks targets to leave out of every metric (255 in segmentation masks,
+            -100 in Hugging Face labels); without it such a label is refused, naming this option.
 
     Returns:
-        The metrics, plus ``components``, ``samples`` and ``task``. The model's RNG use (posterior
-        noise) does not touch the caller's generator state: evaluation runs inside
+        The metrics, plus ``components``, ``samples`` and ``task`` (with ``output``, the part scored, for a
+        structured output, and ``ignored``, the number of targets left out, with ``ignore_index``). The
+        model's RNG use (posterior noise) does not touch the caller's generator state: evaluation runs inside
         ``torch.random.fork_rng``, seeded, so the same weights give the same numbers.
     """
     _check_bins(bins)
+    _check_ignore_index(ignore_index)
     device = torch.device(device)
     k = num_components(model)
     task = model_task(model, task, needed_by="evaluate()")
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)  # the same noise draws on every evaluation of the same weights
-        outputs, targets = collect_members(
-            model, _loader(data, batch_size), samples=samples, device=device, transform=transform
-        )
+        with evaluation_mode(model), torch.no_grad():
+            outputs, targets, key = _collect_members(
+                model, _loader(data, batch_size), samples, device, transform, None, None, output, task=task
+            )
+        scored = leaf_task(task, key, model)
         detection = None
         if ood is not None:
             detection = ood_detection(
-                model, task, _loader(data, batch_size), _loader(ood, batch_size), samples=samples, device=device,
-                transform=transform, outputs=outputs,
+                model, scored, _loader(data, batch_size), _loader(ood, batch_size), samples=samples, device=device,
+                transform=transform, outputs=outputs, output=key,
             )  # fmt: skip
-    results = task_metrics(task, outputs, targets, components=k, bins=bins, members=members)
-    results.update(components=k, samples=samples if is_converted(model) else 1, task=str(task))
+    results = task_metrics(scored, outputs, targets, components=k, bins=bins, members=members, ignore_index=ignore_index)
+    results.update(components=k, samples=samples if is_converted(model) else 1, task=str(scored))
+    if key is not None:
+        results["output"] = key
     if detection is not None:
         results["ood"], results["ood_scoring"] = detection
     return results
@@ -260,6 +365,7 @@ def ood_detection(
     device: torch.device | str = "cpu",
     transform: Transform | None = None,
     outputs: Tensor | None = None,
+    output: object = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, object]]:
     """How well each uncertainty score tells ``ood`` from ``data``, scored from the sampled predictive.
 
@@ -277,6 +383,8 @@ def ood_detection(
         device, transform: as for :func:`collect_members`.
         outputs: ``data``'s members as the evaluation collected them with ``samples``: reused when
             they are sampled already (``samples > 1``) or the model is plain.
+        output: the part of a structured output to score (see :func:`evaluate`); ``task`` may be the
+            model's mapping of outputs to tasks, or that part's task.
 
     Returns:
         ``(table, scoring)``: :func:`~bayesify.evaluation.ood.ood_metrics_per_score` of the two sets,
@@ -288,13 +396,16 @@ def ood_detection(
     k = num_components(model)
     m = (samples if samples > 1 else OOD_SAMPLES) if converted else 1
 
-    def members(batches: Iterable[tuple[Tensor, Tensor]]) -> Tensor:
-        return collect_members(model, batches, samples=m, device=device, transform=transform, noise=converted)[0]
+    def members(batches: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, object]:
+        with evaluation_mode(model):  # (the targets are not scored: a language model's are not shifted)
+            found, _, key = _collect_members(model, batches, m, device, transform, None, converted, output, labels=False)
+        return found, key
 
     reuse = outputs is not None and (not converted or samples > 1)
-    inside = outputs if reuse else members(data)
-    outside = members(ood)
-    u_in, u_out = task.uncertainty(inside), task.uncertainty(outside)
+    inside, key = (outputs, output) if reuse else members(data)
+    outside, key = members(ood)
+    scored = leaf_task(task, key, model)
+    u_in, u_out = scored.uncertainty(inside), scored.uncertainty(outside)
     table = ood_metrics_per_score(u_in, u_out)
     scoring = {"components": k, "samples": m, "sampled": converted, "notes": score_notes(u_in, u_out, table, k * m)}
     return table, scoring
@@ -408,6 +519,15 @@ def compare_corruptions(
 
 
 _CORRUPTION_METRICS = ("nll", "accuracy", "ece")
+
+
+def _check_ignore_index(ignore_index: object) -> None:
+    """Before any work: the label that marks targets to leave out is a class label (an int)."""
+    if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
+        raise ValueError(
+            f"ignore_index={ignore_index!r} must be the integer label that marks targets to leave out (e.g. 255 in "
+            "segmentation masks, -100 in Hugging Face labels), or None."
+        )
 
 
 def _check_bins(bins: object) -> None:

@@ -88,9 +88,11 @@ def as_class_labels(labels: Tensor, classes: int) -> Tensor:
     if labels.numel():
         low, high = int(labels.min()), int(labels.max())
         if low < 0 or high >= classes:
+            label = low if low < 0 else high
             raise ValueError(
-                f"label {low if low < 0 else high} is not a class of the {classes}-class output (labels lie in "
-                f"[0, {classes})); leave out the examples an ignore index (-100, 255) marks before evaluating."
+                f"label {label} is not a class of the {classes}-class output (labels lie in [0, {classes})); if it "
+                f"marks targets to leave out (an ignore index, as 255 in segmentation masks or -100 in Hugging Face "
+                f"labels), pass evaluate(..., ignore_index={label})."
             )
     return labels
 
@@ -260,22 +262,55 @@ def compute_metrics(
 
 
 def task_metrics(
-    task: object, outputs: Tensor, targets: Tensor, *, components: int = 1, bins: int = 15, members: bool = True
+    task: object,
+    outputs: Tensor,
+    targets: Tensor,
+    *,
+    components: int = 1,
+    bins: int = 15,
+    members: bool = True,
+    ignore_index: int | None = None,
 ) -> dict[str, object]:
     """The metrics of ``[S, N, ...]`` member outputs against ``targets``, chosen by what the output means.
 
     * classification: :func:`compute_metrics` on the members' log-softmax over the task's class axis
-      (a dense output's pixels or tokens count as examples);
+      (a dense output's pixels or tokens count as examples: segmentation logits ``[S, N, C, H, W]``
+      against labels ``[N, H, W]``);
     * binary / multi-label: every (example, label) a binary problem: NLL, accuracy, ECE, Brier, AUCs;
     * regression / Gaussian heads: :func:`bayesify.evaluation.regression.regression_metrics`.
 
+    Args:
+        ignore_index: a label marking targets to leave out of every metric (categorical tasks); the
+            result then says how many were left out (``ignored``).
+
     Raises:
-        ValueError: a task without metrics (``members``, a custom reduction).
+        ValueError: a task without metrics (``members``, a custom reduction), targets that are not one per
+            prediction, or ``ignore_index`` for real-valued targets.
     """
     task = resolve_task(task, needed_by="task_metrics")
     log_probs = task.member_log_probs(outputs)
     if log_probs is not None:  # categorical: every pixel / token / label a row
-        return compute_metrics(log_probs, targets.reshape(-1), components=components, bins=bins, members=members)
+        labels = targets.reshape(-1)
+        if labels.numel() != log_probs.shape[1]:
+            raise ValueError(
+                f"targets of shape {tuple(targets.shape)} do not fit task {task}'s {log_probs.shape[1]} predictions "
+                f"(outputs {tuple(outputs.shape[1:])}, members first): give one label per example, pixel or token "
+                "(e.g. [B, H, W] for segmentation logits [B, C, H, W])."
+            )
+        ignored = None
+        if ignore_index is not None:
+            keep = labels != ignore_index
+            ignored = int(labels.numel() - keep.sum())
+            if ignored == labels.numel():
+                raise ValueError(f"every target is ignore_index={ignore_index}: nothing is left to score.")
+            log_probs, labels = log_probs[:, keep], labels[keep]
+        results = compute_metrics(log_probs, labels, components=components, bins=bins, members=members)
+        return results if ignored is None else {**results, "ignored": ignored}
+    if ignore_index is not None:
+        raise ValueError(
+            f"ignore_index={ignore_index} marks class labels to leave out, but task {task} is scored against "
+            "real-valued targets; leave those examples out of the data instead."
+        )
     moments = task.member_moments(outputs)
     if moments is not None:
         means, variances = moments

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from bayesify.predictive.tasks import Classification, Members, MultiLabel, Regression, Task, TaskMap
 
-__all__ = ["HuggingFaceTask", "huggingface_loss", "infer_task"]
+__all__ = ["HuggingFaceTask", "huggingface_loss", "infer_task", "predicts_next_token"]
 
 def _defined_in(model: nn.Module, *packages: str) -> bool:
     module = type(model).__module__ or ""
@@ -122,6 +122,18 @@ def _huggingface_task(model: nn.Module) -> Task | None:
     if kind.endswith("ForQuestionAnswering"):  # a distribution over the positions where the answer starts and ends
         return HuggingFaceTask((("start_logits", Classification(-1)), ("end_logits", Classification(-1))))
     return HuggingFaceTask((("logits", logits),))
+
+
+def predicts_next_token(model: nn.Module) -> bool:
+    """Whether ``model``'s logits at position t are for the token at t + 1: a Hugging Face decoder-only model that
+    generates (GPT-2's ``LMHeadModel``, any ``ForCausalLM``), whose own loss shifts its labels by one position. A
+    sequence-to-sequence model's logits are for the label at their own position (its decoder inputs are shifted)."""
+    module = sys.modules.get("transformers")
+    base = getattr(module, "PreTrainedModel", None)
+    if base is None or not isinstance(model, base) or getattr(model.config, "is_encoder_decoder", False):
+        return False
+    can_generate = getattr(model, "can_generate", None)
+    return bool(can_generate()) if callable(can_generate) else False
 
 
 # the heads whose loss the model's own ``self.loss_function`` computes from ``logits`` and ``labels`` alone

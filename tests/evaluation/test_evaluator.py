@@ -134,3 +134,85 @@ def test_ood_scores_of_a_plain_model_say_its_mutual_information_is_uninformative
     assert results["ood_scoring"]["notes"]["mutual_information"] == (
         "uninformative: 0 on every example (one member, none to disagree), so its AUROC tells nothing about them"
     )
+
+
+def test_segmentation_is_scored_per_pixel_on_its_out_leaving_out_an_ignore_index_when_told():
+    """torchvision's FCN returns {"out", "aux"}: evaluate() scores "out" (what bayesify.uncertainty decomposes), every
+    labelled pixel an example; a mask's 255 is refused unless ignore_index says what it marks."""
+    import math
+
+    from torch.utils.data import TensorDataset
+    from torchvision.models.segmentation import fcn_resnet50
+
+    torch.manual_seed(0)
+    model = bayesify.convert(fcn_resnet50(weights=None, weights_backbone=None, num_classes=3, aux_loss=True), components=2)
+    x, y = torch.randn(3, 3, 32, 32), torch.randint(3, (3, 32, 32))
+    y[:, :5] = 255  # (a border the annotators left out)
+    data = TensorDataset(x, y)
+    with pytest.raises(ValueError, match=r"label 255 is not a class of the 3-class output .* ignore_index=255\)\.$"):
+        evaluate(model, data)
+    results = evaluate(model, data, ignore_index=255, batch_size=2)
+    assert (results["output"], results["task"], results["ignored"]) == ("out", "classification (class axis 1)", 3 * 5 * 32)
+    with torch.no_grad():
+        members = bayesify.predict(model.eval(), x, noise=False)["out"]  # [K, B, C, H, W]: the posterior means
+    log_p = torch.logsumexp(members.log_softmax(2), 0) - math.log(2)  # the mixture, per pixel
+    labelled = y != 255
+    picked = log_p.gather(1, y.clamp(max=2)[:, None]).squeeze(1)
+    assert results["nll"] == pytest.approx(float(-picked[labelled].mean()), rel=1e-5)
+    assert results["accuracy"] == pytest.approx(float((log_p.argmax(1) == y)[labelled].float().mean()))
+    aux = evaluate(model, data, ignore_index=255, output="aux", members=False)
+    assert aux["output"] == "aux" and aux["nll"] != results["nll"]
+
+
+def test_a_structured_output_without_a_primary_part_is_refused_naming_output():
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return {"first": self.a(x), "second": self.b(x), "features": x, "steps": 3}
+
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(10, 4), torch.randint(2, (10,)))
+    model = bayesify.convert(TwoHeads(), components=2, task={"first": "classification", "second": "classification"})
+    with pytest.raises(ValueError, match=r"cannot tell which part of TwoHeads's output \(a dict with keys 'first', "
+                                         r"'second', 'features', 'steps'\) to score; say it with output=, one of: "
+                                         r"'first', 'second', 'features'\.$"):  # fmt: skip
+        evaluate(model, data)
+    ood = TensorDataset(5 * torch.randn(6, 4), torch.zeros(6, dtype=torch.long))
+    second = evaluate(model, data, output="second", ood=ood)
+    assert second["output"] == "second" and 0 <= second["accuracy"] <= 1 and "auc_roc" in second  # two classes
+    assert set(second["ood"]) == {"max_probability", "entropy", "mutual_information"}  # of the same output
+    with pytest.raises(ValueError, match=r"output='third' is not a part of TwoHeads's output .* one of: 'first', "):
+        evaluate(model, data, output="third")
+    with pytest.raises(ValueError, match=r"output='steps' is not a tensor of predictions \(int\)"):
+        evaluate(model, data, output="steps")
+    with pytest.raises(ValueError, match=r"names no task for the output 'features'"):  # at the first batch
+        evaluate(model, data, output="features")
+    with pytest.raises(ValueError, match=r"ignore_index=0.5 must be the integer label"):
+        evaluate(model, data, output="second", ignore_index=0.5)
+    plain = evaluate(TwoHeads(), data, output="first", task="classification")  # a plain model: the same choice
+    assert plain["output"] == "first" and plain["components"] == 1
+
+
+def test_a_language_model_is_scored_as_its_own_loss_scores_it():
+    """GPT-2's logits at t predict the token at t + 1: evaluate() shifts its labels as the model's loss does, so its
+    NLL is the mixture's per-token loss (the converted model's own in model.eval())."""
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30, n_positions=16, bos_token_id=0,
+                                     eos_token_id=0)  # fmt: skip
+    model = bayesify.convert(transformers.GPT2LMHeadModel(config), components=2, init="normal")
+    ids = torch.randint(30, (6, 10))
+    results = evaluate(model, TensorDataset(ids, ids), batch_size=4)
+    assert results["output"] == "logits" and results["task"] == "classification (class axis -1)"
+    with torch.no_grad():
+        loss = model.eval()(ids, labels=ids).loss  # the mixture's NLL of each next token
+    assert results["nll"] == pytest.approx(float(loss), rel=1e-5)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel predicts the next token: .* of shape \(4, 10\) .* got \(4,\)"):
+        evaluate(model, TensorDataset(ids, ids[:, 0]), batch_size=4)

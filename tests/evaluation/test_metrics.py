@@ -157,7 +157,11 @@ def test_evaluate_checks_class_labels_and_leaves_the_model_as_it_was() -> None:
         bayesify.evaluation.evaluate(net, TensorDataset(x, y.float() + 0.5))  # (truncated, it scored another class)
     for ignored in (-100, 255, 3):
         labels = torch.where(torch.arange(10) < 2, ignored, y)
-        with pytest.raises(ValueError, match=rf"label {ignored} is not a class of the 3-class output"):
+        with pytest.raises(ValueError, match=rf"label {ignored} is not a class of the 3-class output .* ignore_index={ignored}\)"):
             bayesify.evaluation.evaluate(net, TensorDataset(x, labels))
+        if ignored != 3:  # what it marks left out when told (3 is no ignore index, but the option would take it)
+            kept = bayesify.evaluation.evaluate(net, TensorDataset(x, labels), ignore_index=ignored, members=False)
+            assert kept["ignored"] == 2 and kept["nll"] == pytest.approx(bayesify.evaluation.evaluate(
+                net, TensorDataset(x[2:], y[2:]), members=False)["nll"], rel=1e-6)  # fmt: skip
     with pytest.raises(ValueError, match=r"bins=0 must be the number of equal-width confidence bins"):
         bayesify.evaluation.evaluate(net, TensorDataset(x, y), bins=0)
