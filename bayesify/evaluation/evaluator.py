@@ -32,6 +32,7 @@ from bayesify.evaluation.metrics import as_class_labels, compute_metrics, member
 from bayesify.evaluation.ood import ood_metrics_per_score, score_notes
 from bayesify.inspection import is_converted, model_task, num_components
 from bayesify.mode import predict
+from bayesify.model_state import model_state
 from bayesify.predictive.libraries import predicts_next_token
 from bayesify.predictive.outputs import leaf_task, primary_output
 from bayesify.predictive.tasks import Task
@@ -65,7 +66,8 @@ def collect_members(
 
     Args:
         model: a converted model (K components) or a plain one (one member).
-        batches: ``(inputs, targets)`` batches, e.g. a ``DataLoader``.
+        batches: ``(inputs, targets)`` batches, e.g. a ``DataLoader``; a 0-d target marks one example (a
+            ``DataLoader`` with ``batch_size=None``), given to the model as a batch of one.
         samples: M, posterior samples per component (ignored for a plain model).
         device: where the model runs.
         transform: applied to inputs on the device before the model (e.g. normalisation).
@@ -103,8 +105,12 @@ def _collect_members(
     model's, checked to name one for the output collected at the first batch (not after the whole set)."""
     converted = is_converted(model)
     next_token = labels and predicts_next_token(model)
+    batch_dim = model_state(model).options.batch_dim if converted else 0
     outputs, targets, key = [], [], None
     for index, (x, y) in enumerate(batches):
+        y = torch.as_tensor(y)
+        if y.dim() == 0:  # one example and its label, not a batch (a DataLoader with batch_size=None): a batch of one
+            x, y = x.unsqueeze(batch_dim), y.unsqueeze(0)
         if corrupt is not None:
             x = corrupt(x, index)
         x = x.to(device)

@@ -216,3 +216,19 @@ def test_a_language_model_is_scored_as_its_own_loss_scores_it():
     assert results["nll"] == pytest.approx(float(loss), rel=1e-5)
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel predicts the next token: .* of shape \(4, 10\) .* got \(4,\)"):
         evaluate(model, TensorDataset(ids, ids[:, 0]), batch_size=4)
+
+
+def test_unbatched_examples_are_evaluated_as_batches_of_one(images):
+    """A DataLoader with batch_size=None gives one example and a 0-d label at a time: each is a batch of one (the
+    converted model took the example's first dimension as a batch of K*B rows, and torch's shape error followed)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    mlp = bayesify.convert(nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)), components=2, task="classification")
+    tables = TensorDataset(torch.randn(12, 5), torch.randint(3, (12,)))  # 1-d examples: [features]
+    for net, data in ((mlp, tables), (_net(), images)):
+        batched = evaluate(net, data, members=False)
+        one_by_one = evaluate(net, DataLoader(data, batch_size=None), members=False)
+        assert one_by_one.keys() == batched.keys()
+        for key in ("nll", "accuracy", "ece", "brier"):
+            assert one_by_one[key] == pytest.approx(batched[key], rel=1e-5, abs=1e-7), key
