@@ -146,13 +146,13 @@ def test_segmentation_is_scored_per_pixel_on_its_out_leaving_out_an_ignore_index
 
     torch.manual_seed(0)
     model = bayesify.convert(fcn_resnet50(weights=None, weights_backbone=None, num_classes=3, aux_loss=True), components=2)
-    x, y = torch.randn(3, 3, 32, 32), torch.randint(3, (3, 32, 32))
+    x, y = torch.randn(3, 3, 16, 16), torch.randint(3, (3, 16, 16))
     y[:, :5] = 255  # (a border the annotators left out)
     data = TensorDataset(x, y)
     with pytest.raises(ValueError, match=r"label 255 is not a class of the 3-class output .* ignore_index=255\)\.$"):
         evaluate(model, data)
     results = evaluate(model, data, ignore_index=255, batch_size=2)
-    assert (results["output"], results["task"], results["ignored"]) == ("out", "classification (class axis 1)", 3 * 5 * 32)
+    assert (results["output"], results["task"], results["ignored"]) == ("out", "classification (class axis 1)", 3 * 5 * 16)
     with torch.no_grad():
         members = bayesify.predict(model.eval(), x, noise=False)["out"]  # [K, B, C, H, W]: the posterior means
     log_p = torch.logsumexp(members.log_softmax(2), 0) - math.log(2)  # the mixture, per pixel
