@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["component_rows", "logmeanexp", "row_shape", "split_members", "tile"]
+__all__ = ["block_rows", "component_rows", "logmeanexp", "row_shape", "split_members", "tile"]
 
 
 def logmeanexp(x: Tensor, dim: int = 0) -> Tensor:
@@ -67,3 +67,19 @@ def component_rows(components: Tensor, table: Tensor) -> Tensor:
         with torch.autocast(table.device.type, enabled=False):
             return F.one_hot(components, table.shape[0]).to(table.dtype) @ table
     return F.embedding(components, table)
+
+
+def block_rows(per_block: Tensor, blocks: tuple[tuple[int, int], ...]) -> Tensor:
+    """``[len(blocks), F]`` -> ``[rows, F]``: each block's value on each of its rows (``blocks``: contiguous
+    ``(start, stop)`` runs covering the rows, in order).
+
+    In a compiled graph this is how a row's component entry is best taken where the rows run in blocks (the router's
+    sample and tiled routes): an expanded view that fuses into its consumer (the noise draw, a scaling), whose
+    backward is a sum over each block fused into its producer, where :func:`component_rows` per row is a GEMM
+    each way and a ``[rows, F]`` tensor written out (a ViT-tiny's draw on a CPU: ~8 ms of a 160 ms step).
+    """
+    sizes = [b - a for a, b in blocks]
+    features = per_block.shape[-1]
+    if len(set(sizes)) == 1:
+        return per_block[:, None].expand(len(blocks), sizes[0], features).reshape(-1, features)
+    return torch.cat([v.expand(n, -1) for v, n in zip(per_block[:, None], sizes)])

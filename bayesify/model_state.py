@@ -122,7 +122,9 @@ class ModelState:
         """Before the root's forward: route the pass, then draw every group of tables for its rows."""
         args, kwargs = self.router.begin(root, args, kwargs)
         state = self.router.state
-        state.draws = self.draws.begin(state.spec.noise, state.rows, state.block_components, state.fixed_components, state.signature)
+        state.draws = self.draws.begin(
+            state.spec.noise, state.rows, state.blocks, state.block_components, state.fixed_components, state.signature
+        )
         return args, kwargs
 
     def end(self, root: nn.Module, output: object) -> object:

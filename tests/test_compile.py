@@ -254,3 +254,23 @@ def test_compiled_evaluation_runs_each_convolution_once_for_all_members() -> Non
         compiled = torch.compile(model, backend=backend, fullgraph=True)(x)
     assert sum(convolutions) == 2  # (K = 4 folded: 8)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_a_compiled_pass_takes_each_rows_draw_from_its_block() -> None:
+    # the sample route's rows run in blocks of one component: in a graph a row's draw is its block's, expanded (it
+    # fuses into the noise draw, and its backward is a sum per block), not a one-hot GEMM per row each way
+    model = bayesify.convert(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)), components=4, task="classification")
+    x = torch.randn(10, 6)  # blocks of 3, 3, 2, 2 rows
+    one_hot_rows: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        one_hot_rows.extend(n.meta["example_value"].shape[0] for n in gm.graph.nodes if n.target is F.one_hot)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = model(x)
+    torch.manual_seed(0)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)(x)
+    assert one_hot_rows and set(one_hot_rows) == {4}, one_hot_rows  # the blocks' K components only (was: 10 rows)
+    torch.testing.assert_close(compiled, eager)  # the very draws: same rows, same noise

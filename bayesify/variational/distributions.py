@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +50,14 @@ def rsample(family: Posterior, loc: Tensor, scale: Tensor | None, eps: Tensor | 
 def noise(family: Posterior, like: Tensor) -> Tensor:
     """The standard noise of ``family`` in ``like``'s shape, dtype and device (the random numbers of :func:`rsample`)."""
     if like.device.type == "cpu" and torch.compiler.is_compiling():
-        return torch.ops.bayesify.standard_noise(like.detach(), family is Posterior.CAUCHY)
-    return _standard_noise(like, family is Posterior.CAUCHY)
+        # (the op takes the shape, not ``like``: a ``like`` made of expanded views is then never written out)
+        return torch.ops.bayesify.standard_noise(like.shape, like.dtype, like.device, family is Posterior.CAUCHY)
+    return _standard_noise(like.shape, like.dtype, like.device, family is Posterior.CAUCHY)
 
 
-def _standard_noise(like: Tensor, cauchy: bool) -> Tensor:
-    return torch.empty_like(like).cauchy_() if cauchy else torch.randn_like(like)
+def _standard_noise(size: Sequence[int], dtype: torch.dtype, device: torch.device, cauchy: bool) -> Tensor:
+    out = torch.empty(size, dtype=dtype, device=device)
+    return out.cauchy_() if cauchy else out.normal_()
 
 
 # The noise in a graph compiled for the CPU: an op inductor calls instead of lowering. Inductor's own CPU random
@@ -63,10 +66,14 @@ def _standard_noise(like: Tensor, cauchy: bool) -> Tensor:
 # merges two calls, nor drops one, nor recomputes it in the backward. (On the GPU inductor's generator is fast.)
 if not hasattr(torch.ops.bayesify, "standard_noise"):  # (once per process: a reload of this module keeps the op)
     torch.library.define(
-        "bayesify::standard_noise", "(Tensor like, bool cauchy) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,)
+        "bayesify::standard_noise",
+        "(SymInt[] size, ScalarType dtype, Device device, bool cauchy) -> Tensor",
+        tags=(torch.Tag.nondeterministic_seeded,),
     )
     torch.library.impl("bayesify::standard_noise", "CompositeExplicitAutograd")(_standard_noise)
-    torch.library.register_fake("bayesify::standard_noise")(lambda like, cauchy: torch.empty_like(like))
+    torch.library.register_fake("bayesify::standard_noise")(
+        lambda size, dtype, device, cauchy: torch.empty(size, dtype=dtype, device=device)
+    )
 
 
 def log_prob(family: Prior | Posterior, value: Tensor, loc: Tensor | float, scale: Tensor | float) -> Tensor:

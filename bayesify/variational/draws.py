@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bayesify.mixture import block_rows
 from bayesify.variational import distributions
 from bayesify.variational.factor import Rank1Factor, sample_factors
 
@@ -54,7 +55,8 @@ class PassDraws:
     source: "ModelDraws"  # the model's groups and learnt takes (what take() asks)
     noise: bool  # sample (else the posterior means)
     rows: Tensor  # the component of every row
-    block_components: Tensor | None  # the component of every block (None: the rows run in no blocks)
+    blocks: tuple[Block, ...] | None  # contiguous runs of rows of one component, covering the rows (None: no blocks)
+    block_components: Tensor | None  # the component of every block
     every_component: bool  # the blocks are the K components in order: a value per block is the table itself
     signature: tuple  # passes alike draw alike (what ModelDraws learns the layers' requests by)
     full: dict = field(default_factory=dict)
@@ -92,11 +94,14 @@ class ModelDraws:
         state["needs"] = {}  # learnt again (a traced graph's requests are not state)
         return state
 
-    def begin(self, noise: bool, rows: Tensor, block_components: Tensor | None, fixed: tuple | None, signature: tuple) -> PassDraws:
-        """Draw every table of the model for a pass routing ``rows`` (and blocks of ``block_components``; ``fixed``
-        the blocks' components when the route fixes them), then take them out as the layers took them before."""
+    def begin(
+        self, noise: bool, rows: Tensor, blocks: tuple | None, block_components: Tensor | None, fixed: tuple | None, signature: tuple
+    ) -> PassDraws:
+        """Draw every table of the model for a pass routing ``rows`` (in ``blocks`` of ``block_components``, when
+        they run so; ``fixed`` the blocks' components when the route fixes them), then take them out as the layers
+        took them before."""
         every = fixed == tuple(range(self.components))
-        draws = PassDraws(self, noise, rows, block_components, every, signature)
+        draws = PassDraws(self, noise, rows, blocks, block_components, every, signature)
         scales: dict = {}  # group number: its posterior scale, shared by the draws per block and per row
         # a traced pass (torch.compile, torch.export; its batch may be symbolic) neither learns nor takes ahead
         needs = {} if torch.compiler.is_compiling() else self.needs.get(signature, {})
@@ -107,7 +112,11 @@ class ModelDraws:
                 # no noise, no random numbers to keep in step: a value per row ([K*B, total] in a mixture
                 # evaluation) only once a layer has asked for one; until then it gathers its own
                 continue
-            components = draws.components(per)
+            components, blocks = draws.components(per), None
+            if per == ROWS and draws.blocks and torch.compiler.is_compiling():
+                # in a graph a row's value is its block's, expanded (block_rows: fused, where a gather per row is
+                # a GEMM each way); eagerly one gather per row is fewer ops
+                components, blocks = draws.block_components, draws.blocks
             for group in self.groups:
                 if per == BLOCKS and not (noise and group.sampled):
                     continue  # no random numbers to keep in step: gathered when a layer asks (_full)
@@ -124,7 +133,7 @@ class ModelDraws:
                     scale = scales[group.key]
                     if scale is None:
                         continue
-                draws.full[(group.key, per)] = group.draw_all(loc, components, noise, scale)
+                draws.full[(group.key, per)] = group.draw_all(loc, components, noise, scale, blocks)
         # (a compiled graph fuses the slices of its own: learning the takes would only recompile it)
         for (per, like), groups in needs.items():
             for key, slots in groups.items():
@@ -234,10 +243,12 @@ class Draw:
         ``[n, features]``, so take either (:func:`~bayesify.layers.rank1_op.rank1_affine` does).
         """
         if self.per_block and self.blocks is not None:
-            values = [_spread(v, self.blocks) for v in self._blocks(factors)]
+            values = [block_rows(v, self.blocks) for v in self._blocks(factors)]
         else:
             values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], ROWS, like)
-            if values is None:
+            if values is None and self.blocks and torch.compiler.is_compiling():  # (as ModelDraws.begin's)
+                values = sample_factors(factors, self.block_components, self.noise, self.blocks)
+            elif values is None:
                 values = sample_factors(factors, self.rows, self.noise)
         return values[0] if len(factors) == 1 else values
 
@@ -298,11 +309,3 @@ class Draw:
 @dataclass(frozen=True)
 class _Drawn:
     value: Tensor
-
-
-def _spread(per_block: Tensor, blocks: tuple[Block, ...]) -> Tensor:
-    """``[blocks, F]`` -> ``[rows, F]``: each block's value on each of its rows."""
-    sizes = [b - a for a, b in blocks]
-    if len(set(sizes)) == 1:
-        return per_block[:, None].expand(len(blocks), sizes[0], per_block.shape[-1]).reshape(-1, per_block.shape[-1])
-    return torch.cat([v.expand(n, -1) for v, n in zip(per_block[:, None], sizes)])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.mixture import component_rows
+from bayesify.mixture import block_rows, component_rows
 from bayesify.options import Init, Posterior
 from bayesify.variational import distributions
 from bayesify.variational.divergence import KLTerm, kl_divergence
@@ -119,26 +119,32 @@ class Rank1Factor(nn.Module):
         return f"components={self.loc.shape[0]}, features={self.features}, posterior={cfg.posterior}, prior={cfg.prior}"
 
 
-def sample_factors(factors: Sequence[Rank1Factor], rows: Tensor, noise: bool) -> list[Tensor]:
-    """One value of each factor per row, ``[len(rows), features]`` each, drawn together.
+def sample_factors(factors: Sequence[Rank1Factor], rows: Tensor, noise: bool, blocks: tuple | None = None) -> list[Tensor]:
+    """One value of each factor per row, ``[len(rows), features]`` each, drawn together (with ``blocks``,
+    contiguous runs of rows covering them, ``rows`` are the blocks' components: still a value per row).
 
     Factors of one posterior family and clipping share one gather and one noise draw (a layer's
     ``s`` and ``r``): fewer, larger ops than one set per factor. The scale is computed on the
     ``[K, F]`` tables before the gather, which is cheaper than per row when the batch exceeds K;
-    the gathers are :func:`~bayesify.mixture.component_rows`.
+    the gathers are :func:`~bayesify.mixture.component_rows` (and :func:`~bayesify.mixture.block_rows`).
     """
     first = factors[0]
     if any(
         f.options.posterior is not first.options.posterior or f.options.clip != first.options.clip or f.loc.dtype != first.loc.dtype
         for f in factors
     ):
-        return [f.sample(rows, noise) for f in factors]
+        return [sample_factors((f,), rows, noise, blocks)[0] for f in factors]
+
+    def entries(table: Tensor) -> Tensor:
+        value = component_rows(rows, table)
+        return value if blocks is None else block_rows(value, blocks)
+
     sizes = [f.features for f in factors]
-    loc = component_rows(rows, torch.cat([f.loc for f in factors], 1) if len(factors) > 1 else first.loc)
+    loc = entries(torch.cat([f.loc for f in factors], 1) if len(factors) > 1 else first.loc)
     if not noise or first.rho is None:
         return list(loc.split(sizes, 1))
     raw = torch.cat([f.rho for f in factors], 1) if len(factors) > 1 else first.rho
-    value = distributions.rsample(first.options.posterior, loc, component_rows(rows, distributions.scale(raw)))
+    value = distributions.rsample(first.options.posterior, loc, entries(distributions.scale(raw)))
     if first.options.clip is not None:
         # reference: heavy tails clipped to [-10, 10]. hardtanh is that clamp with a one-op backward (clamp's
         # takes six); they differ only at exactly +-clip, where hardtanh passes no gradient

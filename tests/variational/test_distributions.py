@@ -41,11 +41,11 @@ def test_the_compiled_cpu_noise_op_is_torchs_generator_and_tagged_as_random() ->
     like = torch.empty(4, 7)
     for cauchy in (False, True):
         torch.manual_seed(3)
-        drawn = op(like, cauchy)
+        drawn = op(like.shape, like.dtype, like.device, cauchy)
         torch.manual_seed(3)
         torch.testing.assert_close(drawn, torch.empty_like(like).cauchy_() if cauchy else torch.randn_like(like))
-    with FakeTensorMode() as fake:  # what tracing sees: the shape, dtype and device of `like`
-        out = op(fake.from_tensor(torch.empty(2, 3, dtype=torch.float64)), False)
+    with FakeTensorMode():  # what tracing sees: the shape, dtype and device asked for
+        out = op((2, 3), torch.float64, torch.device("cpu"), False)
     assert out.shape == (2, 3) and out.dtype == torch.float64
 
 
