@@ -44,7 +44,7 @@ from bayesify.mixture import split_members, tile
 from bayesify.options import Route, Sampling
 from bayesify.predictive.outputs import is_packed, reduce_output
 from bayesify.predictive.tasks import Task
-from bayesify.variational.draws import Block, Draw, PassDraws
+from bayesify.variational.draws import Block, Draw, PassDraws, saved_tensors_hooked
 
 __all__ = ["ForwardState", "RouteSpec", "Router", "is_example_list", "member_rows"]
 
@@ -184,7 +184,12 @@ class Router:
         if state is None or not self.live():
             return self.route_outside(n, device, layer)
         per_block = self.options.sampling is Sampling.COMPONENT
-        common = dict(noise=state.spec.noise, per_block=per_block, layer=layer, draws=state.draws)
+        # live but not active: a recomputation in the backward pass (activation checkpointing). Reentrant
+        # checkpointing backpropagates through it, so its layers make their values again in a graph of their own
+        # (Draw.recompute); the non-reentrant kind runs it under a saved-tensors hook that compares what it saves
+        # with the forward's, so its layers take the pass's values, as views (saving nothing the forward did not)
+        again = not self.active and not torch.compiler.is_compiling() and not saved_tensors_hooked()
+        common = dict(noise=state.spec.noise, per_block=per_block, layer=layer, draws=state.draws, recompute=again)
         rows, blocks, components, fixed, total = state.rows, state.blocks, state.block_components, state.fixed_components, state.rows.shape[0]
         if total == 0:
             # an empty batch: its rows take the per-row path (no blocks, so no zero-row blocks to fold); a
@@ -465,3 +470,4 @@ def _tile_packed(packed: PackedSequence, tiles: int) -> PackedSequence:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+

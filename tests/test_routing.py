@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
@@ -230,6 +231,63 @@ def test_activation_checkpointing_recomputes_the_same_members(name: str) -> None
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], msg=f"gradient of {n} differs under checkpointing")
+
+
+class _Checkpointed(nn.Module):
+    """A conv block (folded: a draw per block) and an MLP block (a draw per row), each checkpointed."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.conv = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten())
+        self.mlp = nn.Sequential(nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in (self.conv, self.mlp):
+            x = block(x) if self.reentrant is None else checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+def test_reentrant_and_non_reentrant_checkpointing_give_the_plain_gradients() -> None:
+    # reentrant checkpointing backpropagates through the recomputation on its own: the layers make their values again
+    # from their Parameters and the pass's random numbers (taking the pass's draws, in the outer graph, failed:
+    # "Trying to backward through the graph a second time")
+    grads = {}
+    for reentrant in (None, False, True):
+        torch.manual_seed(0)
+        model = bayesify.convert(_Checkpointed(reentrant), components=4, init_std=0.2, task="classification")
+        x = torch.randn(8, 3, 6, 6, requires_grad=True)
+        torch.manual_seed(1)
+        F.cross_entropy(model(x), torch.arange(8) % 3).backward()
+        grads[reentrant] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads[reentrant]["input"] = x.grad.clone()
+    assert {n for n in grads[None] if "rank1" in n} and grads[None].keys() == grads[True].keys() == grads[False].keys()
+    for reentrant in (False, True):
+        for n in grads[None]:
+            torch.testing.assert_close(grads[reentrant][n], grads[None][n], msg=f"{n}, use_reentrant={reentrant}")
+
+
+def test_hugging_face_gradient_checkpointing_with_reentrant_blocks() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = bayesify.convert(transformers.BertForSequenceClassification(config), init_std=0.2)
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": True})
+        model.train()
+        torch.manual_seed(1)
+        ids = torch.randint(50, (4, 7))
+        model(input_ids=ids, labels=torch.tensor([0, 1, 2, 0])).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], msg=n)
 
 
 def test_predict_keeps_each_outputs_own_batch_axis() -> None:

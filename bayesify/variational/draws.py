@@ -20,13 +20,14 @@ breaks the graph on a user object as a dict key.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from bayesify.mixture import block_rows
+from bayesify.mixture import block_rows, row_shape
 from bayesify.variational import distributions
 from bayesify.variational.factor import Rank1Factor, sample_factors
 
@@ -72,9 +73,9 @@ class PassDraws:
             return self.rows
         return None if self.every_component else self.block_components
 
-    def take(self, group: Any, slot: int, per: str, like: tuple | None = None) -> Tensor | None:
+    def take(self, group: Any, slot: int, per: str, like: tuple | None = None, again: bool = False) -> Tensor | None:
         """Table ``slot`` of ``group`` as drawn for this pass (:meth:`ModelDraws.take`)."""
-        return self.source.take(self, group, slot, per, like)
+        return self.source.take(self, group, slot, per, like, again)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class ModelDraws:
                 # evaluation) only once a layer has asked for one; until then it gathers its own
                 continue
             components, blocks = draws.components(per), None
+            count = self.components if components is None else components.shape[0]  # values drawn: rows or blocks
             if per == ROWS and draws.blocks and torch.compiler.is_compiling():
                 # in a graph a row's value is its block's, expanded (block_rows: fused, where a gather per row is
                 # a GEMM each way); eagerly one gather per row is fewer ops
@@ -125,7 +127,7 @@ class ModelDraws:
                     if noise and group.sampled:
                         draws.eps[(group.key, per)] = group.noise(self.components if components is None else components.shape[0])
                     continue
-                scale = None
+                scale = eps = None
                 if noise and group.sampled:
                     if group.key not in scales:
                         rho = self._joined(draws, group, "rho")
@@ -133,7 +135,9 @@ class ModelDraws:
                     scale = scales[group.key]
                     if scale is None:
                         continue
-                draws.full[(group.key, per)] = group.draw_all(loc, components, noise, scale, blocks)
+                    # kept for the pass: a recomputation in the backward pass makes a layer's values again from them
+                    eps = draws.eps[(group.key, per)] = group.noise(count)
+                draws.full[(group.key, per)] = group.draw_all(loc, components, noise, scale, blocks, eps)
         # (a compiled graph fuses the slices of its own: learning the takes would only recompile it)
         for (per, like), groups in needs.items():
             for key, slots in groups.items():
@@ -142,11 +146,16 @@ class ModelDraws:
                     draws.taken[(key, per, like)] = self.groups[key].take(full, sorted(slots), like)
         return draws
 
-    def take(self, draws: PassDraws, group: Any, slot: int, per: str, like: tuple | None = None) -> Tensor | None:
+    def take(
+        self, draws: PassDraws, group: Any, slot: int, per: str, like: tuple | None = None, again: bool = False
+    ) -> Tensor | None:
         """Table ``slot`` of ``group`` as drawn for the pass (``per``: BLOCKS or ROWS; ``like``: the shape to
         take it in, see :meth:`~bayesify.variational.store.TableGroup.take`, if it was taken so ahead),
         ``[m, features]`` otherwise; None where the layer draws its own (not one of this model's groups, or a
-        value per row without noise not drawn for this pass)."""
+        value per row without noise not drawn for this pass). ``again``: for a layer run again in the backward
+        pass (:meth:`_again`)."""
+        if again:
+            return self._again(draws, group, slot, per, like)
         values = draws.taken.get((group.key, per, like))
         if values is not None and slot in values:
             return values[slot]
@@ -186,16 +195,32 @@ class ModelDraws:
                 if len(slots) < len(group.sizes):
                     group.columns_of(tuple(sorted(slots)), group.table(min(slots)).device)
 
+    def _again(self, draws: PassDraws, group: Any, slot: int, per: str, like: tuple | None) -> Tensor | None:
+        """A layer's values for a recomputation in the backward pass (activation checkpointing): the pass's very
+        values, made again from the layer's own Parameters and the pass's random numbers, in a graph of their own.
+        Reentrant checkpointing backpropagates through the recomputation alone, which must not reach the pass's
+        draws (they are in the outer graph: a second backward through them fails); None where the pass drew no
+        random numbers for the table (the layer then takes its own posterior means or offsets: the same values)."""
+        eps = draws.eps.get((group.key, per))
+        if eps is None or group.key >= len(self.groups) or self.groups[group.key] is not group:
+            return None
+        value = group.draw_one(slot, draws.components(per), eps)
+        return value if like is None else value.view(row_shape(value.shape[0], value.shape[1], *like))
+
     def _full(self, draws: PassDraws, key: int, per: str) -> Tensor | None:
         """Group ``key``'s values ``per`` block or row for the pass: as drawn ahead, or (a value per block that takes no
         random numbers: bias offsets, or the posterior means) gathered now, once, as the first layer asks."""
         full = draws.full.get((key, per))
         group = self.groups[key]
         if full is None and per == BLOCKS and draws.block_components is not None and not (draws.noise and group.sampled):
-            loc = self._joined(draws, group, "loc")
-            if loc is None:
-                return None
-            full = draws.full[(key, per)] = group.draw_all(loc, draws.components(per), False)
+            # made inside the call of the first layer that asks: in a region a non-reentrant checkpoint recomputes,
+            # what it saves is not the region's (its recomputation finds it made, and must save what the forward
+            # did), so it saves under hooks of its own, on top of the checkpoint's
+            with torch.autograd.graph.saved_tensors_hooks(_same, _same) if saved_tensors_hooked() else contextlib.nullcontext():
+                loc = self._joined(draws, group, "loc")
+                if loc is None:
+                    return None
+                full = draws.full[(key, per)] = group.draw_all(loc, draws.components(per), False)
         return full
 
     @staticmethod
@@ -232,6 +257,7 @@ class Draw:
     draws: PassDraws | None = None  # the routed pass's draws, made ahead of it
     repeat: int = 1  # rows of this call per routed row: extra axes folded into the batch repeat each row's
     first_only: bool = False  # a batch-independent call: every row takes the pass's first row's component
+    recompute: bool = False  # a layer run again in the backward pass (activation checkpointing)
 
     def sample(self, *factors: Rank1Factor, like: tuple[int, int, int] | None = None) -> Tensor | list[Tensor]:
         """One value of each factor per row, ``[n, features]``, from each row's component (a list for
@@ -296,7 +322,7 @@ class Draw:
             like = (ndim, batch_axis % ndim, channel_axis % ndim)
             if self.repeat != 1 or self.first_only or per != ROWS or like[1] >= like[2]:
                 like = None  # only the routed rows themselves, with the batch before the channels, come shaped
-        values = [self.draws.take(group, index, per, like) for group, index in slots]
+        values = [self.draws.take(group, index, per, like, again=self.recompute) for group, index in slots]
         if any(v is None for v in values):
             return None
         if self.first_only:  # a batch-independent call: its rows all take the first row's (or block's) values
@@ -304,6 +330,16 @@ class Draw:
         if self.repeat == 1 or per == BLOCKS:
             return values
         return [v.unsqueeze(1).expand(-1, self.repeat, -1).reshape(-1, v.shape[-1]) for v in values]
+
+
+def saved_tensors_hooked() -> bool:
+    """Whether a saved-tensors hook is in force (outside a compiled graph): a non-reentrant checkpoint's forward
+    and recomputation run under one."""
+    return not torch.compiler.is_compiling() and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
 
 
 @dataclass(frozen=True)

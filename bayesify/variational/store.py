@@ -164,14 +164,21 @@ class TableGroup:
         return self.joined(name)
 
     def draw_all(
-        self, loc: Tensor, components: Tensor | None, noise: bool, scale: Tensor | None = None, blocks: tuple | None = None
+        self,
+        loc: Tensor,
+        components: Tensor | None,
+        noise: bool,
+        scale: Tensor | None = None,
+        blocks: tuple | None = None,
+        eps: Tensor | None = None,
     ) -> Tensor:
         """Every table's value per entry of ``components``, ``[len(components), total]``: one gather, one noise
         draw and one clip for the whole group. ``loc`` is :meth:`joined`; ``components`` None means every
         component in order (the tables themselves, no gather); ``noise`` samples a factor group from its
         posterior with ``scale`` (its ``[K, total]`` posterior scale; offsets are never sampled). With
         ``blocks`` (contiguous runs of rows), ``components`` are the blocks' and there is a value per row, each
-        from its block's component (:func:`~bayesify.mixture.block_rows`: a compiled graph's way)."""
+        from its block's component (:func:`~bayesify.mixture.block_rows`: a compiled graph's way). ``eps``: the
+        random numbers to draw with (:meth:`noise`; drawn here if None)."""
 
         def entries(table: Tensor) -> Tensor:
             value = table if components is None else component_rows(components, table)
@@ -181,7 +188,7 @@ class TableGroup:
         if noise and self.sampled:
             assert scale is not None, "a sampled draw needs the posterior scale"
             options = self.options
-            value = distributions.rsample(options.posterior, value, entries(scale))
+            value = distributions.rsample(options.posterior, value, entries(scale), eps)
             if options.clip is not None:
                 # reference: heavy tails clipped to [-10, 10]. hardtanh is that clamp with a one-op backward (clamp's
                 # takes six); they differ only at exactly +-clip, where hardtanh passes no gradient
