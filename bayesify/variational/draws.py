@@ -3,7 +3,8 @@ of one layer call (:class:`Draw`, the one routing record a layer sees).
 
 The router decides which component every row goes through (``bayesify/_router.py``); this module draws the
 tables for those rows. At the start of every routed pass (the root's pre-hook: outside any checkpointed region,
-so a recomputation in the backward pass takes the very same values) :meth:`ModelDraws.begin` draws every group of
+so a recomputation in the backward pass takes the very same values; a reentrant one makes them again from the
+layers' Parameters and the pass's random numbers, :meth:`ModelDraws._again`) :meth:`ModelDraws.begin` draws every group of
 tables (:mod:`bayesify.variational.store`) in one go: a value per block (BLOCKS) and per row (ROWS), so that
 the draws and the random numbers they use do not depend on which layers ask for which. Then it takes the tables
 out as the layers took them in passes like this one (columns and broadcast shapes, learnt from their requests),
