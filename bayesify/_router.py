@@ -73,6 +73,7 @@ class ForwardState:
     axis: int | None  # batch axis of the inputs (None: one unbatched example)
     members: int = 1  # copies of each example in the routed batch (K * samples when tiled, else 1)
     inputs: dict = field(default_factory=dict)  # the call's keyword arguments as given (a task may read them)
+    input_shape: tuple[int, ...] | None = None  # the first tensor input's shape as given (for an error message)
     draws: PassDraws | None = None  # the factors drawn for this pass (the model state sets it: variational/draws.py)
 
     @property
@@ -212,6 +213,24 @@ class Router:
         fixed = None if fixed is None else fixed[:1]
         return Draw(rows=first, blocks=((0, n),), block_components=components[:1], fixed_components=fixed, first_only=True, **common)
 
+    def check_unbatched(self, x: Tensor, channel_axis: int, layer: nn.Module | None) -> None:
+        """A layer that takes ``x`` as one unbatched example, whose channels are the rows of the pass's tiled batch:
+        the model's input was one example, whose dimension ``batch_dim`` the tiled route took as a batch and tiled
+        for the members. Say so in one line, with the input's shape and the fix (torch's error names K x B rows)."""
+        state = self.state
+        if not self.live() or state is None or state.axis is None or state.members == 1:
+            return
+        if x.shape[channel_axis] != state.rows.shape[0]:
+            return
+        shape = tuple(state.input_shape) if state.input_shape is not None else None
+        raise ValueError(
+            f"{type(self.root).__name__ if self.root is not None else 'the model'} was given one unbatched example"
+            f"{'' if shape is None else f' (an input of shape {shape})'}: bayesify took its dimension {state.axis} as "
+            f"a batch of {state.batch} (batch_dim={state.axis}) and tiled it for the {state.members} members, but "
+            f"{self.layer_name(layer)} takes its input as one example; pass a batch of one (x.unsqueeze({state.axis})), "
+            f"or say where the batch lies with convert(..., batch_dim=...)."
+        )
+
     def route_outside(self, n: int, device: torch.device, layer: nn.Module | None) -> Draw:
         """A layer called outside the converted root's forward (a sub-module on its own: timm's
         ``forward_features``, a feature extractor, a Hugging Face ``base_model``, one layer). No pass routes its
@@ -302,7 +321,7 @@ class Router:
         fixed = tuple(i // spec.samples for i in range(members))
         self.state = ForwardState(
             spec=spec, rows=rows, blocks=blocks, block_components=components, fixed_components=fixed, batch=batch,
-            axis=axis, members=members, inputs=kwargs,
+            axis=axis, members=members, inputs=kwargs, input_shape=tuple(first.shape) if isinstance(first, Tensor) else None,
         )  # fmt: skip
 
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None

@@ -100,3 +100,12 @@ def test_model_without_tensor_input() -> None:
     net = bayesify.convert(Takes())
     with pytest.raises(TypeError, match="no tensor input"):
         net([1.0, 2.0])
+
+
+def test_one_unbatched_example_in_evaluation_is_named_with_the_fix() -> None:
+    # its one dimension was taken as the batch and tiled for the members: torch's error named K x B rows
+    model = bayesify.convert(nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)), task="classification").eval()
+    for call in (lambda x: model(x), lambda x: bayesify.uncertainty(model, x), lambda x: bayesify.predict(model, x)):
+        with pytest.raises(ValueError, match=r"one unbatched example \(an input of shape \(5,\)\).*x\.unsqueeze\(0\)"):
+            call(torch.randn(5))
+    assert model(torch.randn(5)[None]).shape == (1, 3)  # the fix it names

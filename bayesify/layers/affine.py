@@ -186,6 +186,8 @@ class Rank1Affine(Rank1Layer):
     ) -> Tensor:
         batch_axis, channel_axis = self.rank1_axes(x)
         if x.dim() == 0 or x.shape[channel_axis] != self.rank1_s.features:
+            if batch_axis is None:  # one unbatched example, whose own dimension the pass may have tiled as the batch
+                self.rank1_state.model.router.check_unbatched(x, channel_axis, self)
             core(x)  # a wrong input shape: let the layer's own computation raise torch's usual error
             raise ValueError(
                 f"{type(self).__name__} expects {self.rank1_s.features} input channels at dimension "
