@@ -116,7 +116,7 @@ class ModelDraws:
                 continue
             components, blocks = draws.components(per), None
             count = self.components if components is None else components.shape[0]  # values drawn: rows or blocks
-            if per == ROWS and draws.blocks and torch.compiler.is_compiling():
+            if per == ROWS and torch.compiler.is_compiling() and _static(draws.blocks):
                 # in a graph a row's value is its block's, expanded (block_rows: fused, where a gather per row is
                 # a GEMM each way); eagerly one gather per row is fewer ops
                 components, blocks = draws.block_components, draws.blocks
@@ -273,7 +273,7 @@ class Draw:
             values = [block_rows(v, self.blocks) for v in self._blocks(factors)]
         else:
             values = self._ahead([f.__dict__.get("rank1_slot") for f in factors], ROWS, like)
-            if values is None and self.blocks and torch.compiler.is_compiling():  # (as ModelDraws.begin's)
+            if values is None and torch.compiler.is_compiling() and _static(self.blocks):  # (as ModelDraws.begin's)
                 values = sample_factors(factors, self.block_components, self.noise, self.blocks)
             elif values is None:
                 values = sample_factors(factors, self.rows, self.noise)
@@ -331,6 +331,11 @@ class Draw:
         if self.repeat == 1 or per == BLOCKS:
             return values
         return [v.unsqueeze(1).expand(-1, self.repeat, -1).reshape(-1, v.shape[-1]) for v in values]
+
+
+def _static(blocks: tuple[Block, ...] | None) -> bool:
+    """Blocks whose sizes are plain numbers (an exported graph's batch may be symbolic: then a gather per row)."""
+    return bool(blocks) and all(type(a) is int and type(b) is int for a, b in blocks)
 
 
 def saved_tensors_hooked() -> bool:
