@@ -29,6 +29,7 @@ class Summary:
     converted: list[tuple[str, str, int]] = field(default_factory=list)  # (name, type, params added)
     skipped: dict[str, str] = field(default_factory=dict)  # weight-bearing modules left as they were
     bypassed: dict[str, str] = field(default_factory=dict)  # converted, but not (fully) in the compute path
+    shared: dict[str, str] = field(default_factory=dict)  # ran on a batch-independent input: one member for all rows
     original_parameters: int = 0
     added_parameters: int = 0
     probed: bool = False
@@ -58,9 +59,12 @@ class Summary:
         if self.bypassed:
             lines.append("converted but not in the compute path:")
             lines += [f"  {name or '<root>'}: {why}" for name, why in self.bypassed.items()]
-        elif self.probed:
+        if self.shared:
+            lines.append("converted, one component for every member's rows:")
+            lines += [f"  {name or '<root>'}: {why}" for name, why in self.shared.items()]
+        if self.probed and not self.bypassed and not self.shared:
             lines.append("every converted layer ran in the example forward pass")
-        else:
+        elif not self.probed and not self.bypassed:
             lines.append("(pass an example input to summary() to check that every converted layer is in the compute path)")
         return "\n".join(lines)
 
@@ -114,6 +118,7 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
     for name, layer in layers.items():
         layer.rank1_state.bypassed_by = set()
         layer.rank1_state.intercepted_by = None
+        layer.rank1_state.batch_independent = False
         handles.append(layer.register_forward_pre_hook(lambda m, a, n=name: ran.add(n)))
     watcher = WeightUses(watched_parameters(model, layers))
     try:
@@ -141,3 +146,7 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
             report.bypassed[name] = f"weight used directly by {', '.join(sorted(used))} (not intercepted)"
         elif name not in ran and not layer.rank1_state.intercepted_by:
             report.bypassed[name] = "never ran in the example forward pass (unused, or its weight is read elsewhere)"
+        elif layer.rank1_state.batch_independent:
+            report.shared[name] = ("ran on an input that does not depend on the batch: one component's factors for "
+                                     "every member's rows (not their exact mixture); convert(..., exclude=[name]) "
+                                     "keeps it deterministic")  # fmt: skip

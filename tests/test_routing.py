@@ -413,18 +413,26 @@ class _TimeMajorInside(nn.Module):
         return self.head(torch.relu(self.mix(h)).mean(0))
 
 
-def test_a_layer_that_sees_the_batch_elsewhere_is_named_and_a_batch_independent_one_is_not() -> None:
+def test_a_layer_that_sees_the_batch_elsewhere_is_named_and_so_is_a_batch_independent_one() -> None:
     # mix's input [T=5, B, 16]: the pass's rows lie at dimension 1, not at batch_dim; it would run one member for
     # all rows (a batch-independent call), mixing the members: a warning names the layer and the fix
     model = bayesify.convert(_TimeMajorInside(), components=2, task="classification")
     for training in (True, False):
         with pytest.warns(UserWarning, match=r"Rank1Linear 'mix' got an input of shape \(5, (4|8), 16\).*batch_first=True"):
             model.train(training)(torch.randn(4, 5, 6))
-    table = bayesify.convert(_TableNet(), components=2, task="classification")  # a learned [5, 6] table: no warning
+    # a learned [5, 6] table through a layer, broadcast over the batch: every member's rows take one component's
+    # draw there (member k's output is not its own), which cannot be done per member: named, with the fix
+    table = bayesify.convert(_TableNet(), components=2, task="classification")
+    for training in (True, False):
+        with pytest.warns(UserWarning, match=r"Rank1Linear 'proj' ran on an input of shape \(5, 6\) that does not depend on the batch.*exclude="):
+            table.train(training)(torch.randn(4, 6))
+    assert "proj" in bayesify.summary(table, torch.randn(4, 6)).shared
+    kept = bayesify.convert(_TableNet(), components=2, task="classification", exclude="proj")  # the fix it names
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        table(torch.randn(4, 6))
-        table.eval()(torch.randn(4, 6))
+        kept(torch.randn(4, 6))
+        kept.eval()(torch.randn(4, 6))
+    assert not bayesify.summary(kept, torch.randn(4, 6)).shared
 
 
 def test_an_output_with_its_batch_elsewhere_than_the_input_is_reduced_there() -> None:

@@ -238,9 +238,25 @@ class Rank1Affine(Rank1Layer):
         table through an MLP). Where another dimension of ``x`` has exactly the pass's rows, the batch more likely
         lies there (a time-major layer inside a batch-first model), and the members would mix: say so."""
         router = self.rank1_state.model.router
-        rows = None if router.state is None else router.state.rows.shape[0]
+        state = router.state
+        rows = None if state is None else state.rows.shape[0]
         ignored = (batch_axis % x.dim(), channel_axis % x.dim())
         elsewhere = [i for i, size in enumerate(x.shape) if size == rows and i not in ignored]
+        if not elsewhere:
+            # a batch-independent input (a learnt table, a positional encoding): every member's rows take the first
+            # row's component here, so member k's output is not quite member k's (its own factors on the table), and
+            # the mixture is not the members' mixture. It cannot be done per member (the output is broadcast
+            # against the batch), so say so, once, where the pass mixes several components
+            self.rank1_state.batch_independent = True
+            if state is not None and (state.blocks is None or len(state.blocks) > 1):
+                warnings.warn(
+                    f"{router.layer_name(self)} ran on an input of shape {tuple(x.shape)} that does not depend on the "
+                    f"batch ({rows} rows): it runs one component's factors for every member's rows, so the members "
+                    "share this layer's draw and the predictive is not their exact mixture. Leave it deterministic "
+                    "with convert(..., exclude=[its name]) (bayesify.summary(model, x) lists such layers).",
+                    stacklevel=2,
+                )
+            return
         if elsewhere:
             warnings.warn(
                 f"{router.layer_name(self)} got an input of shape {tuple(x.shape)}, whose dimension {batch_axis} "

@@ -92,6 +92,7 @@ class LayerState:
     cache: Any = None  # the draws of the forward pass in flight, for the layer's further calls in it (recurrent layers)
     bypassed_by: set[str] = field(default_factory=set)  # functions that used the weight directly (summary)
     intercepted_by: str | None = None  # the last function whose use of the weight was routed here
+    batch_independent: bool = False  # it ran on an input that does not depend on the batch (summary)
     load_hook: int | None = None  # id of the load_state_dict pre-hook in the layer's hook dict (revert removes it)
     packed: dict[str, tuple[Any, int]] = field(default_factory=dict)  # bias offsets drawn with a group: (group, slot)
 
