@@ -78,6 +78,7 @@ class ModelState:
     draws: ModelDraws = None  # type: ignore[assignment]
     report: ConversionReport = field(default_factory=ConversionReport)
     handles: list[RemovableHandle] = field(default_factory=list)  # the hooks attach() installed on the root
+    warned: set[str] = field(default_factory=set)  # the warnings given once per model (their kinds)
 
     def __post_init__(self) -> None:
         if self.router is None:

@@ -422,10 +422,13 @@ def test_a_layer_that_sees_the_batch_elsewhere_is_named_and_so_is_a_batch_indepe
             model.train(training)(torch.randn(4, 5, 6))
     # a learned [5, 6] table through a layer, broadcast over the batch: every member's rows take one component's
     # draw there (member k's output is not its own), which cannot be done per member: named, with the fix
-    table = bayesify.convert(_TableNet(), components=2, task="classification")
     for training in (True, False):
+        table = bayesify.convert(_TableNet(), components=2, task="classification")
         with pytest.warns(UserWarning, match=r"Rank1Linear 'proj' ran on an input of shape \(5, 6\) that does not depend on the batch.*exclude="):
             table.train(training)(torch.randn(4, 6))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per model
+            table(torch.randn(4, 6))
     assert "proj" in bayesify.summary(table, torch.randn(4, 6)).shared
     kept = bayesify.convert(_TableNet(), components=2, task="classification", exclude="proj")  # the fix it names
     with warnings.catch_warnings():

@@ -248,12 +248,14 @@ class Rank1Affine(Rank1Layer):
             # the mixture is not the members' mixture. It cannot be done per member (the output is broadcast
             # against the batch), so say so, once, where the pass mixes several components
             self.rank1_state.batch_independent = True
-            if state is not None and (state.blocks is None or len(state.blocks) > 1):
+            warned = self.rank1_state.model.warned
+            if state is not None and (state.blocks is None or len(state.blocks) > 1) and "batch-independent" not in warned:
+                warned.add("batch-independent")  # once per model (SwinV2 has two such layers a block)
                 warnings.warn(
                     f"{router.layer_name(self)} ran on an input of shape {tuple(x.shape)} that does not depend on the "
                     f"batch ({rows} rows): it runs one component's factors for every member's rows, so the members "
                     "share this layer's draw and the predictive is not their exact mixture. Leave it deterministic "
-                    "with convert(..., exclude=[its name]) (bayesify.summary(model, x) lists such layers).",
+                    "with convert(..., exclude=[its name]); bayesify.summary(model, x) lists every such layer.",
                     stacklevel=2,
                 )
             return
