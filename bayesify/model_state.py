@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -121,6 +122,13 @@ class ModelState:
 
     def begin(self, root: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Before the root's forward: route the pass, then draw every group of tables for its rows."""
+        if torch.jit.is_tracing():  # (its layers' choices read shapes as Python numbers, which the tracer makes tensors)
+            raise RuntimeError(
+                f"torch.jit.trace (and torch.onnx.export(..., dynamo=False), which uses it) cannot trace a converted "
+                f"{type(root).__name__}: its routing decides in Python on every pass. Use torch.export.export(model, "
+                "(x,)) or torch.onnx.export(model, (x,), dynamo=True), or trace one member as a plain network: "
+                "bayesify.merge(model, component=k)."
+            )
         args, kwargs = self.router.begin(root, args, kwargs)
         state = self.router.state
         state.draws = self.draws.begin(

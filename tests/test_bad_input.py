@@ -109,3 +109,14 @@ def test_one_unbatched_example_in_evaluation_is_named_with_the_fix() -> None:
         with pytest.raises(ValueError, match=r"one unbatched example \(an input of shape \(5,\)\).*x\.unsqueeze\(0\)"):
             call(torch.randn(5))
     assert model(torch.randn(5)[None]).shape == (1, 3)  # the fix it names
+
+
+def test_torch_jit_trace_is_refused_naming_export_and_merge() -> None:
+    # the tracer turns the shapes a layer's choices read into tensors: it failed deep inside with an AssertionError
+    model = bayesify.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), task="classification").eval()
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.trace .*torch\.export\.export.*dynamo=True.*bayesify\.merge"):
+        torch.jit.trace(model, torch.randn(4, 8))
+    assert model(torch.randn(2, 8)).shape == (2, 3)  # nothing left half-routed
+    member = bayesify.merge(model, component=1)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(torch.jit.trace(member, x)(x), member(x))
