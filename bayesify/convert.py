@@ -151,7 +151,9 @@ def convert(
     Every module whose type (or a parent class of it) is in ``mapping`` becomes a rank-1
     layer: the same module object and the same Parameters, with ``W' = W o (r s^T)`` where
     r and s have a K-component mixture posterior. Only new state is added, so an optimizer
-    created earlier still holds the weights, and a checkpoint of the unconverted network still
+    created earlier still holds the weights (not the new rank-1 parameters: add them with
+    ``optimizer.add_param_group({"params": list(bayesify.rank1_parameters(model))})``, or make the
+    optimizer after converting), and a checkpoint of the unconverted network still
     loads with ``model.load_state_dict(state, strict=True)`` (the rank-1 values are kept; see
     :mod:`bayesify.layers.base`). The root gets ``model.no_weight_decay()`` (timm's hook: its own
     names plus ``rank1_*`` globs), so ``timm.optim.create_optimizer_v2`` does not decay the
@@ -173,8 +175,9 @@ def convert(
 
     Raises:
         ValueError: an invalid option, a pattern that matches no module, nothing to convert,
-            or a second conversion with other model-wide options (``components``, ``batch_dim``,
-            ``sampling``, ``eval_noise``, another task than the one said).
+            or a second conversion (of layers added since) that says other model-wide options
+            (``components``, ``batch_dim``, ``sampling``, ``eval_noise``, another task than the one
+            said); those it does not say are the model's.
         TypeError: an unknown option.
 
     Example:
@@ -190,6 +193,10 @@ def convert(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}.")
+    existing = _existing_state(model)
+    if existing is not None and config is None:
+        # a second conversion (of a layer added since: a new head): the model-wide options not said are the model's
+        options = {**{name: getattr(existing.options, name) for name in scoped(Rank1Config, "model")}, **options}  # type: ignore[typeddict-item]
     config = Rank1Config.from_options(config, **options)
     table = _swap_table(mapping, config)
     said = config.resolved_task()  # what the caller said of the output (Auto: nothing)
@@ -304,6 +311,14 @@ convert.__signature__ = inspect.signature(convert).replace(  # type: ignore[attr
         ],
     ]
 )
+
+
+def _existing_state(model: nn.Module) -> ModelState | None:
+    """The state of a model (or of a part of it) converted before, if any."""
+    state = model.__dict__.get(ATTRIBUTE)
+    if state is None:
+        state = next((layer.rank1_state.model for _, layer in rank1_layers(model)), None)
+    return state
 
 
 def _state_for(model: nn.Module, config: Rank1Config, said: Task) -> ModelState:

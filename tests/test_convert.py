@@ -290,14 +290,18 @@ def test_converting_again_with_other_model_wide_options_refuses_naming_each() ->
 
 def test_summary_names_a_layer_put_in_after_the_conversion_and_the_fix() -> None:
     # a new head after convert (timm's reset_classifier does this): its type is in the mapping, so the fix is to
-    # convert again, not a mapping entry
-    net = bayesify.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), task="classification")
+    # convert again, not a mapping entry; the fix as named works for a model of other model-wide options too (a
+    # second convert() takes the model's where none are said: it refused components=4 against 2)
+    net = bayesify.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), task="classification", components=2)
     net[2] = nn.Linear(8, 5)
     report = bayesify.summary(net, torch.randn(2, 4))
     assert report.skipped["2"] == ("Linear was not converted (added after bayesify.convert?); call "
                                    "bayesify.convert(model) again to convert it")  # fmt: skip
     bayesify.convert(net)
     assert "2" not in bayesify.summary(net, torch.randn(2, 4)).skipped
+    assert net[2].rank1_s.loc.shape == (2, 8) and net.rank1_model.options.components == 2
+    with pytest.raises(ValueError, match=r"converted with components=2.*got components=3"):
+        bayesify.convert(net, components=3)  # said otherwise: still refused
 
 
 def test_a_second_conversion_with_other_model_wide_options_names_what_was_converted() -> None:
