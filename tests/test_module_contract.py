@@ -415,3 +415,36 @@ def test_the_error_of_a_sub_module_call_names_the_layer_and_the_model() -> None:
     model(_batch(2)[0])  # (the router learns its root in a pass; convert sets it too)
     with pytest.raises(RuntimeError, match=r"Rank1Conv2d 'conv1' was called outside the forward pass of its converted model \(ResNet\)"), torch.no_grad():
         model.forward_features(_batch(2)[0])
+
+
+def test_converted_on_the_meta_device_a_plain_checkpoint_loads_with_the_initial_factors() -> None:
+    # the large-model pattern: build on meta, to_empty(), load a checkpoint of the plain network strictly. The
+    # rank-1 values "kept" were whatever the new memory held (NaN or 1e10 outputs, an infinite KL), silently
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    torch.manual_seed(0)
+    plain = net()
+    checkpoint = plain.state_dict()
+    options = dict(task="classification", init="normal", init_std=0.05, init_jitter=0.1)
+    with torch.device("meta"):
+        model = bayesify.convert(net(), **options)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in bayesify.rank1_parameters(model):
+            p.fill_(float("nan"))  # what fresh memory may hold
+    assert not model.load_state_dict(checkpoint, strict=True).missing_keys
+    reference = bayesify.convert(net(), **options)
+    reference.load_state_dict(checkpoint)
+    for (name, value), (_, expected) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.isfinite(value).all(), name
+        if name.endswith(".loc") or name.endswith("rank1_bias"):
+            assert (value - expected).abs().max() < 0.5, name  # init="normal" draws its own spread
+    assert torch.isfinite(bayesify.kl_divergence(model))
+    x = torch.randn(2, 8)
+    assert torch.isfinite(model.eval()(x)).all()
+    # a converted checkpoint loads its own values, and a model converted on a real device keeps what it has
+    with torch.device("meta"):
+        again = bayesify.convert(net(), **options)
+    again.load_state_dict(reference.state_dict(), assign=True)
+    torch.testing.assert_close(again.eval()(x), reference.eval()(x))

@@ -93,6 +93,7 @@ class LayerState:
     bypassed_by: set[str] = field(default_factory=set)  # functions that used the weight directly (summary)
     intercepted_by: str | None = None  # the last function whose use of the weight was routed here
     batch_independent: bool = False  # it ran on an input that does not depend on the batch (summary)
+    unset: bool = False  # converted on the meta device: its rank-1 values are not made yet
     load_hook: int | None = None  # id of the load_state_dict pre-hook in the layer's hook dict (revert removes it)
     packed: dict[str, tuple[Any, int]] = field(default_factory=dict)  # bias offsets drawn with a group: (group, slot)
 
@@ -134,8 +135,16 @@ def _keep_rank1_state_if_absent(
     strict loading reports the missing ones, as for any other key.
     """
     own = layer.rank1_state_dict()
+    state = layer.rank1_state
     if any(prefix + key in state_dict for key in own):
+        state.unset = False
         return
+    if state.unset and not any(t.is_meta for t in own.values()):
+        # converted on the meta device, then given memory (to_empty): the "current values" are whatever that
+        # memory held, so the layer's initial values go in (what converting a real model would have made)
+        with torch.no_grad():
+            layer.rank1_reset()
+        state.unset = False
     for key, value in own.items():
         state_dict[prefix + key] = value
 
@@ -170,6 +179,9 @@ class ConvertedLayer(nn.Module):
         except Exception:
             module.revert()
             raise
+        # made on the meta device (a large model built without memory): no values yet, until a checkpoint with them
+        # loads or one without them does (which then puts in their initial values: _keep_rank1_state_if_absent)
+        state.unset = any(t.is_meta for t in module.rank1_state_dict().values())
         return module
 
     # ---- the contract ------------------------------------------------------------------------
@@ -305,6 +317,14 @@ class ConvertedLayer(nn.Module):
             if name.startswith("rank1_") and child is not None:
                 entries.update(child.state_dict(prefix=f"{name}.", keep_vars=True))
         return entries
+
+    def rank1_reset(self) -> None:
+        """Put this layer's rank-1 values at their initialisation (the factors' posterior at conversion, the bias
+        offsets at zero)."""
+        for _, factor in self.rank1_factors():
+            factor.reset_parameters()
+        for offset, _ in self.rank1_bias_offsets():
+            offset.zero_()
 
     def rank1_parameters(self) -> Iterator[nn.Parameter]:
         """The parameters that hold what bayesify added to this layer (factors, bias offsets and the like):

@@ -55,6 +55,9 @@ class GaussianEmbedding(ConvertedLayer):
         weight = self._parameters["weight"]
         self.rank1_rho = nn.Parameter(torch.full_like(weight, distributions.raw_scale(options.initial_std)))
 
+    def rank1_reset(self) -> None:
+        self.rank1_rho.fill_(distributions.raw_scale(self.rank1_state.options.initial_std))
+
     @property
     def rank1_std(self) -> Tensor:
         """Posterior std of every entry of the table, ``[num_embeddings, embedding_dim]``."""
