@@ -448,3 +448,29 @@ def test_converted_on_the_meta_device_a_plain_checkpoint_loads_with_the_initial_
         again = bayesify.convert(net(), **options)
     again.load_state_dict(reference.state_dict(), assign=True)
     torch.testing.assert_close(again.eval()(x), reference.eval()(x))
+
+
+def test_a_checkpoint_of_another_perturbation_or_posterior_is_refused_and_leaves_the_factors() -> None:
+    # the values mean something else (a location near 1 or near 0; a Normal or a Cauchy scale): they loaded
+    # silently, and the additive model computed another function
+    import io
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+    saved = {}
+    for name, options in {"multiplicative": {}, "additive": {"perturbation": "additive"},
+                          "cauchy": {"posterior": "cauchy", "prior": "cauchy"}}.items():  # fmt: skip
+        buffer = io.BytesIO()
+        torch.save(bayesify.convert(net(), task="classification", **options).state_dict(), buffer)
+        buffer.seek(0)
+        saved[name] = torch.load(buffer)  # through torch.save: the state dict's metadata travels with it
+    model = bayesify.convert(net(), task="classification")
+    before = {k: v.clone() for k, v in model.state_dict().items() if "rank1" in k}
+    for other, match in (("additive", "perturbation='additive'.*perturbation='multiplicative'"), ("cauchy", "posterior='cauchy'")):
+        with pytest.raises(RuntimeError, match=match):
+            model.load_state_dict(saved[other])
+        for k, v in before.items():
+            assert torch.equal(model.state_dict()[k], v), k
+    assert not model.load_state_dict(saved["multiplicative"]).missing_keys  # the same options: loads
+    assert not model.load_state_dict(net().state_dict()).missing_keys  # a plain checkpoint: loads, as always

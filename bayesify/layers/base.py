@@ -137,6 +137,19 @@ def _keep_rank1_state_if_absent(
     own = layer.rank1_state_dict()
     state = layer.rank1_state
     if any(prefix + key in state_dict for key in own):
+        saved, now = local_metadata.get("rank1"), _meaning(state.options)
+        differ = [] if saved is None else [k for k in now if k in saved and saved[k] != now[k]]
+        if differ:
+            if not any(message.startswith("the rank-1 values (of ") for message in error_msgs):  # (one per load)
+                error_msgs.append(
+                    f"the rank-1 values (of {prefix[:-1] or type(layer).__name__} and any other layer) were saved from "
+                    "a model converted with " + ", ".join(f"{k}={saved[k]!r}" for k in differ) + " and mean "
+                    "something else in this one (" + ", ".join(f"{k}={now[k]!r}" for k in differ) + "); they were "
+                    "left as they were: convert with the options the checkpoint was made with."
+                )
+            for key, value in own.items():  # this layer's rank-1 values stay as they are
+                state_dict[prefix + key] = value
+            return
         state.unset = False
         return
     if state.unset and not any(t.is_meta for t in own.values()):
@@ -147,6 +160,12 @@ def _keep_rank1_state_if_absent(
         state.unset = False
     for key, value in own.items():
         state_dict[prefix + key] = value
+
+
+def _meaning(options: LayerOptions) -> dict[str, str]:
+    """The options that say what a layer's saved rank-1 values mean (a location near 1 or 0; a Normal or a Cauchy
+    scale)."""
+    return {"perturbation": options.perturbation.value, "posterior": options.posterior.value}
 
 
 class ConvertedLayer(nn.Module):
@@ -359,6 +378,16 @@ class ConvertedLayer(nn.Module):
         return self
 
     # ---- plumbing ---------------------------------------------------------------------------
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # what the saved rank-1 values mean, in the state dict's per-module metadata (as a module's version): a
+        # load into a layer of another meaning is refused (_keep_rank1_state_if_absent); formats that drop the
+        # metadata (safetensors) load unchecked
+        metadata = getattr(destination, "_metadata", None)
+        state = self.__dict__.get("rank1_state")
+        if metadata is not None and state is not None:
+            metadata.setdefault(prefix[:-1], {})["rank1"] = _meaning(state.options)
 
     def __getattr__(self, name: str) -> Any:
         value = super().__getattr__(name)
