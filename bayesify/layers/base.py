@@ -14,7 +14,9 @@ does it. Hence:
   every converted layer has a load pre-hook (:func:`_keep_rank1_state_if_absent`) that keeps its
   current rank-1 values when the incoming state dict holds none of its ``rank1_*`` keys. A state
   dict holding some but not all of them is a damaged converted checkpoint, and strict loading still
-  reports the missing ones; the original keys are as strict as ever.
+  reports the missing ones; the original keys are as strict as ever. A converted checkpoint's metadata says
+  what its rank-1 values mean (perturbation, posterior): one of another meaning is refused. A layer
+  converted on the meta device takes its initial rank-1 values from a checkpoint without them.
 
 **The contract** (what a layer family implements; see ``docs/ARCHITECTURE.md`` for a complete
 example of a user's own layer):
