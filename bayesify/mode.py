@@ -12,6 +12,7 @@ from bayesify._router import RouteSpec, is_example_list
 from bayesify.inspection import inside
 from bayesify.model_state import ModelState, find_root, is_root, model_state, split_output
 from bayesify.options import Route, parse_option
+from bayesify.predictive.outputs import check_rows
 from bayesify.predictive.tasks import Task, resolve_task
 
 __all__ = ["mode", "predict"]
@@ -107,6 +108,8 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
             return outputs
         with mode(model, Route.TILE, samples=samples, noise=noise):
             output = model(*args, **kwargs)
+    state = router.state  # (the pass's, kept after it)
+    check_rows(model, output, members=state.members, batch=state.batch, axis=state.axis)
     return split_output(model, output)
 
 

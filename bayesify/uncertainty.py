@@ -11,6 +11,7 @@ from torch import Tensor
 
 from bayesify.inspection import model_task
 from bayesify.mode import predict
+from bayesify.model_state import model_state
 from bayesify.predictive.decompositions import (
     BinaryUncertainty,
     ClassificationUncertainty,
@@ -22,7 +23,7 @@ from bayesify.predictive.decompositions import (
     regression_uncertainty,
 )
 from bayesify.predictive.heads import VarianceParameter, gaussian_head
-from bayesify.predictive.outputs import leaf_task, primary_output
+from bayesify.predictive.outputs import check_leaf, leaf_task, primary_output
 from bayesify.predictive.tasks import resolve_task
 
 __all__ = [
@@ -84,4 +85,7 @@ def uncertainty(
     resolved = model_task(model, task, needed_by="bayesify.uncertainty")
     members = predict(model, *inputs, samples=1 if noise is False else samples, noise=noise, **kwargs)
     leaf, key = primary_output(members)
-    return leaf_task(resolved, key, model).uncertainty(leaf)
+    found = leaf_task(resolved, key, model)
+    axis = model_state(model).router.state.axis  # where the pass took the batch: a member's too (None: unbatched)
+    check_leaf(found, key, model, leaf.shape[1:], axis if axis is not None and axis < leaf.dim() - 1 else None)
+    return found.uncertainty(leaf)

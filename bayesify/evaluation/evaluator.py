@@ -34,7 +34,7 @@ from bayesify.inspection import is_converted, model_task, num_components
 from bayesify.mode import predict
 from bayesify.model_state import model_state
 from bayesify.predictive.libraries import predicts_next_token
-from bayesify.predictive.outputs import leaf_task, primary_output
+from bayesify.predictive.outputs import check_leaf, leaf_task, primary_output
 from bayesify.predictive.tasks import Task
 
 __all__ = [
@@ -118,10 +118,11 @@ def _collect_members(
             x = transform(x)
         value = predict(model, x, samples=samples, noise=noise) if converted else model(x)
         members, key = _scored_output(model, value, output)
-        if task is not None and not outputs:
-            leaf_task(task, key, model)
         if not converted:
             members = members.unsqueeze(0)
+        if task is not None and not outputs:
+            scored = leaf_task(task, key, model)
+            check_leaf(scored, key, model, members.shape[1:], batch_dim if batch_dim < members.dim() - 1 else None)
         if next_token and key == "logits":  # as the model's own loss: the logits at t against the label at t + 1
             members, y = _next_token(model, members, y)
         outputs.append(members.float().cpu())

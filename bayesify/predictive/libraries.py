@@ -52,7 +52,8 @@ def infer_task(model: nn.Module) -> Task | None:
     * torchvision segmentation (FCN, DeepLabV3, LRASPP): ``{"out", "aux"}`` class logits at axis 1.
     * torchvision detection (Faster / Mask / Keypoint R-CNN, RetinaNet, FCOS, SSD): :class:`Members`
       (boxes of different members cannot be averaged; see :func:`bayesify.detection.fuse_detections`).
-    * a timm model with ``num_classes > 0`` or a torchvision classifier: :class:`Classification` (-1).
+    * a timm model with ``num_classes > 0`` or a torchvision classifier: :class:`Classification` (-1; with timm's
+      ``num_classes``, which an output's class axis must match: torchvision states no number).
     * a torch recurrent, attention or transformer module used as the model: :class:`Regression` (its
       outputs are features and states; the mixture is their mean).
     """
@@ -75,7 +76,7 @@ def infer_task(model: nn.Module) -> Task | None:
     if isinstance(model, _FEATURE_MODULES):
         return Regression()  # a recurrent / attention / transformer module used as the model: its features, averaged
     if _defined_in(model, "timm.models") and isinstance(getattr(model, "num_classes", None), int):
-        return Classification(-1) if model.num_classes > 0 else None
+        return Classification(-1, model.num_classes) if model.num_classes > 0 else None
     if _defined_in(model, "torchvision.models") and not _defined_in(
         model, "torchvision.models.detection", "torchvision.models.segmentation", "torchvision.models.optical_flow"
     ):
@@ -105,6 +106,13 @@ class HuggingFaceTask(TaskMap):
         return [loss if key == "loss" else value for key, value in reduced]
 
 
+# the heads whose logits have config.num_labels entries on their class axis
+_NUM_LABELS_HEADS = (
+    "ForSequenceClassification", "ForImageClassification", "ForAudioClassification", "ForVideoClassification",
+    "ForTokenClassification",
+)
+
+
 def _huggingface_task(model: nn.Module) -> Task | None:
     module = sys.modules.get("transformers")
     base = getattr(module, "PreTrainedModel", None)
@@ -117,8 +125,10 @@ def _huggingface_task(model: nn.Module) -> Task | None:
         logits: Task = MultiLabel()
     elif problem == "regression" or ("ForSequenceClassification" in kind and getattr(config, "num_labels", 2) == 1):
         logits = Regression()
+    elif kind.endswith(_NUM_LABELS_HEADS):  # single-label: one logit per label, config.num_labels of them
+        logits = Classification(-1, getattr(config, "num_labels", None))
     else:
-        logits = Classification(-1)  # causal / masked LM, token and single-label sequence classification
+        logits = Classification(-1)  # causal / masked LM (logits over the vocabulary, which may be padded)
     if kind.endswith("ForQuestionAnswering"):  # a distribution over the positions where the answer starts and ends
         return HuggingFaceTask((("start_logits", Classification(-1)), ("end_logits", Classification(-1))))
     return HuggingFaceTask((("logits", logits),))

@@ -17,9 +17,10 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
 from bayesify.mixture import split_members
-from bayesify.predictive.tasks import Auto, Binary, Classification, Task
+from bayesify.predictive.libraries import infer_task
+from bayesify.predictive.tasks import Auto, Binary, Classification, Task, TaskMap
 
-__all__ = ["is_packed", "leaf_task", "output_key", "primary_output", "reduce_output"]
+__all__ = ["check_leaf", "check_rows", "is_packed", "leaf_task", "output_key", "primary_output", "reduce_output"]
 
 
 def is_packed(value: object) -> bool:
@@ -74,6 +75,7 @@ def reduce_output(
     ``axis`` None: one unbatched example, the members along the leaf's axis); ``inputs``: the call's keyword
     arguments (a task may read them, e.g. a Hugging Face model's ``labels``)."""
     leaves, tree = tree_flatten_with_path(output, is_leaf=is_packed)
+    primary = _primary_leaf(output)
 
     def reduce(path: tuple, t: object, dim: int | None) -> object:
         key = output_key(path)
@@ -81,14 +83,20 @@ def reduce_output(
             dim = _rows_axis(t, dim, members * batch)
         if isinstance(t, PackedSequence):
             return _reduce_packed(t, members, batch, leaf_task(task, key, model, t, members))
-        tiled = (
-            isinstance(t, Tensor) and t.is_floating_point() and dim is not None and t.dim() > dim
-            and (axis is None or t.shape[dim] == members * batch)
-        )  # fmt: skip
-        if not tiled or task.recomputes(key):
+        if task.recomputes(key):
+            return t
+        floating = isinstance(t, Tensor) and t.is_floating_point() and dim is not None
+        if floating and axis is not None and not (t.dim() > dim and t.shape[dim] == members * batch):
+            # no member rows: what the task must reduce (the primary output, an output the task names) is refused;
+            # anything else passes as it is (a scalar auxiliary loss, a leaf with the rows folded with other axes)
+            if batch and (t is primary or isinstance(task, TaskMap) and task.get(key) is not None):
+                _refuse_rows(model, t, members, batch, axis)
+            return t
+        if not floating or t.dim() <= dim:
             return t
         stacked = t.movedim(dim, 0) if axis is None else split_members(t, members, dim)
         found = leaf_task(task, key, model, stacked.shape[1:], members)  # (a shape: no op to take one)
+        check_leaf(found, key, model, stacked.shape[1:], None if axis is None else dim)
         if found is task and isinstance(task, (Classification, Binary)):
             as_logits.append(tuple(t.shape))
         return found.reduce(stacked)
@@ -103,6 +111,65 @@ def reduce_output(
             stacklevel=2,
         )
     return tree_unflatten(task.finish(model, reduced, inputs), tree)
+
+
+def check_leaf(task: Task, key: Any, model: nn.Module, shape: torch.Size, batch_axis: int | None) -> None:
+    """Refuse in one line what ``task`` would make a silently wrong number of: one member's output leaf of ``shape``
+    (at top-level ``key``; its batch at ``batch_axis``, None: one unbatched example) whose class axis is its batch
+    axis (a softmax across the examples), or has another width than the number of classes the task was inferred
+    with (the model's head replaced or removed after ``convert``: features, not logits), unless the model states
+    that width now (timm's ``reset_classifier(n)``). Shapes only: nothing runs on the values."""
+    if not isinstance(task, Classification) or not shape:
+        return
+    axis = task.axis(shape)
+    name = type(model).__name__
+    if batch_axis is not None and axis == batch_axis % len(shape):
+        raise ValueError(
+            f"task='classification' takes a softmax over the class axis, but on the output of shape {tuple(shape)} "
+            f"of {name} that axis (dimension {axis}) holds the batch: a softmax across the examples; use "
+            "task='binary' for one logit per example, or return [B, C] logits (one per class)."
+        )
+    width = shape[axis]
+    if task.classes is None or width == task.classes:
+        return
+    now = infer_task(model)
+    stated = None if now is None else now.for_output(key)
+    if isinstance(stated, Classification) and stated.classes == width:
+        return  # a new head the model states (timm's reset_classifier(n)): its logits
+    raise ValueError(
+        f"the output of shape {tuple(shape)} of {name} has {width} entries on its class axis (dimension {axis}), not "
+        f"the {task.classes} classes its task was inferred with at convert() (what the model stated): was its head "
+        "replaced or removed? Say what the output is rather than have it softmaxed as logits: "
+        "bayesify.mode(model, task='regression') for the members' mean (bayesify.predict(model, x): each member's), "
+        "task='classification' for a new head's logits, or bayesify.convert(model, task=...) when converting."
+    )
+
+
+def check_rows(model: nn.Module, output: object, *, members: int, batch: int, axis: int | None) -> None:
+    """Refuse in one line a tiled pass's ``output`` whose primary part (:func:`primary_output`) has no dimension of
+    ``members * batch`` rows (the batch taken at dimension ``axis`` of the input; None: unbatched, nothing to
+    check): its members could not be told apart (:func:`bayesify.predict`)."""
+    leaf = _primary_leaf(output)
+    rows = members * batch
+    if axis is not None and batch and isinstance(leaf, Tensor) and rows not in leaf.shape:
+        _refuse_rows(model, leaf, members, batch, axis)
+
+
+def _refuse_rows(model: nn.Module, t: Tensor, members: int, batch: int, axis: int) -> None:
+    raise ValueError(
+        f"the output of shape {tuple(t.shape)} of {type(model).__name__} has no dimension of {members * batch} rows "
+        f"({members} members x the batch of {batch} that bayesify took at dimension {axis} of the input), so its "
+        "members cannot be told apart; if the batch lies at another dimension of the input (a time-major "
+        "[T, B] sequence), say so with bayesify.convert(model, batch_dim=...)."
+    )
+
+
+def _primary_leaf(output: object) -> object:
+    """The primary output's tensor (see :func:`primary_output`), or None where the output has none."""
+    try:
+        return primary_output(output)[0]
+    except ValueError:
+        return None
 
 
 def _rows_axis(t: object, dim: int | None, rows: int) -> int | None:

@@ -36,8 +36,9 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
 import torch
@@ -145,9 +146,15 @@ class Classification(Task):
         class_axis: the class axis of one member's output; None: -1 for ``[B, C]`` outputs and 1 for
             4-d and larger ``[B, C, H, W, ...]`` ones (PyTorch's channels-first layout). A 3-d output is
             ambiguous (``[B, C, L]`` from a Conv1d or ``[B, T, C]`` per-token logits) and must say.
+        classes: the number of classes the model stated when the task was inferred from it (timm's
+            ``num_classes``, a Hugging Face classifier's ``config.num_labels``); None: said by the user, or no
+            number stated. An output whose class axis has another width is refused (its head was replaced
+            after ``convert``: features, not logits; see :func:`bayesify.predictive.outputs.check_leaf`).
+            Where the task came from, not what it means: left out of equality.
     """
 
     class_axis: int | None = None
+    classes: int | None = field(default=None, compare=False)
     name: ClassVar[str] = "classification"
 
     def axis(self, output: Tensor | torch.Size) -> int:
@@ -441,7 +448,9 @@ def resolve_task(
     """
     said = parse_task("auto" if task is None else task, class_axis=class_axis, gaussian_variance=gaussian_variance)
     if isinstance(said, Auto) and stated is not None and not isinstance(stated, Auto):
-        said = Classification(class_axis) if class_axis is not None and isinstance(stated, Classification) else stated
+        if class_axis is not None and isinstance(stated, Classification):  # the caller's axis, the model's classes
+            stated = dataclasses.replace(stated, class_axis=class_axis)
+        said = stated
     if isinstance(said, Auto) and needed_by is not None:
         raise ValueError(
             f"{needed_by} does not know what the model's output means; pass task= to it (or to bayesify.convert): "

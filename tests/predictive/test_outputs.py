@@ -1,0 +1,174 @@
+"""What the mixture's reduction refuses rather than return a silently wrong number, and what it lets pass.
+
+An inferred classifier whose head was replaced after ``convert`` (features would be softmaxed as logits), an
+output with no rows of the tiled batch (the batch taken on the wrong axis: the members' outputs would mix), and a
+classification whose class axis is the batch axis (a softmax across the examples): each is refused in one line
+naming the value and the fix; the outputs that are what they claim to be pass as before.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import bayesify
+from bayesify.predictive import Classification, infer_task
+
+K = 4
+
+
+def _timm_classifier(classes: int = 10) -> nn.Module:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    return bayesify.convert(timm.create_model("resnet18", pretrained=False, num_classes=classes), components=K).eval()
+
+
+# ---- a classifier's head replaced after convert ---------------------------------------------------
+
+
+def test_a_timm_classifier_states_its_number_of_classes() -> None:
+    timm = pytest.importorskip("timm")
+    task = infer_task(timm.create_model("resnet18", num_classes=7))
+    assert task == Classification(-1) and task.classes == 7
+    assert bayesify.predictive.resolve_task("classification").classes is None  # said: nothing to check it against
+
+
+@pytest.mark.parametrize("replace", ["identity", "reset_classifier(0)"])
+def test_features_of_a_replaced_head_are_refused_not_softmaxed(replace: str) -> None:
+    model = _timm_classifier(10)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(model(x).exp().sum(-1), torch.ones(2), atol=1e-5)  # its logits, as inferred
+    if replace == "identity":
+        model.fc = nn.Identity()
+    else:
+        model.reset_classifier(0)
+    message = (
+        r"output of shape \(2, 512\) of ResNet has 512 entries on its class axis \(dimension 1\), not the 10 "
+        r"classes its task was inferred with .* bayesify\.mode\(model, task='regression'\)"
+    )
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=message):
+            model(x)
+        with pytest.raises(ValueError, match=message):
+            bayesify.uncertainty(model, x)
+        with bayesify.mode(model, task="regression"):  # the fix the message names: the members' mean features
+            assert model(x).shape == (2, 512)
+        assert bayesify.predict(model, x).shape == (K, 2, 512)  # each member's
+
+
+def test_a_new_head_the_model_states_is_its_logits() -> None:
+    model = _timm_classifier(10)
+    model.reset_classifier(5)  # timm now states 5 classes: a classifier still
+    with torch.no_grad():
+        out = model(torch.randn(2, 3, 32, 32))
+    assert out.shape == (2, 5) and torch.allclose(out.exp().sum(-1), torch.ones(2), atol=1e-5)
+
+
+def test_a_said_task_or_the_width_inferred_is_never_refused() -> None:
+    x = torch.randn(2, 5)
+    said = bayesify.convert(nn.Sequential(nn.Linear(5, 3)), components=K, task="classification").eval()
+    conv = bayesify.convert(nn.Sequential(nn.Conv2d(5, 3, 1)), components=K).eval()
+    with torch.no_grad():
+        assert torch.allclose(said(x).exp().sum(-1), torch.ones(2), atol=1e-5)
+        with bayesify.mode(said, task=Classification(-1, classes=3)):
+            said(x)
+        with bayesify.mode(conv, task=Classification(1, classes=3)):  # a segmentation's classes at axis 1
+            assert torch.allclose(conv(torch.randn(2, 5, 4, 4)).exp().sum(1), torch.ones(2, 4, 4), atol=1e-5)
+        with (
+            bayesify.mode(said, task=Classification(-1, classes=4)),
+            pytest.raises(ValueError, match=r"\(2, 3\) .* 3 entries on its class axis \(dimension 1\), not the 4 "),
+        ):
+            said(x)
+
+
+def test_a_hugging_face_classifier_whose_head_was_replaced_is_refused() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=16, num_labels=3)  # fmt: skip
+    model = bayesify.convert(transformers.BertForSequenceClassification(config), components=K).eval()
+    ids = torch.randint(30, (2, 6))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits.exp().sum(-1), torch.ones(2), atol=1e-5)
+        model.classifier = nn.Identity()
+        with pytest.raises(ValueError, match=r"shape \(2, 16\) of BertForSequenceClassification .* not the 3 classes"):
+            model(ids)
+
+
+# ---- an output with no rows of the tiled batch ----------------------------------------------------
+
+
+class LSTMClassifier(nn.Module):
+    """The classic time-major text classifier: tokens ``[T, B]``, the last layer's final state to a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lstm, self.head = nn.Embedding(50, 16), nn.LSTM(16, 32), nn.Linear(32, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        _, (h, _) = self.lstm(self.emb(tokens))
+        return self.head(h[-1])
+
+
+@pytest.mark.filterwarnings("ignore:.*does not depend on the batch")  # (the head's warning: the same mistake)
+def test_an_output_without_the_member_rows_is_refused_naming_batch_dim() -> None:
+    torch.manual_seed(0)
+    tokens = torch.randint(50, (7, 3))  # [T=7, B=3]
+    model = bayesify.convert(LSTMClassifier(), components=K, task="classification").eval()  # batch_dim left at 0
+    message = r"output of shape \(3, 3\) of LSTMClassifier has no dimension of 28 rows .* batch_dim="
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=message):
+            model(tokens)
+        with pytest.raises(ValueError, match=message):
+            bayesify.predict(model, tokens)
+    right = bayesify.convert(LSTMClassifier(), components=K, task="classification", batch_dim=1).eval()
+    with torch.no_grad():
+        out = right(tokens)
+    assert out.shape == (3, 3) and torch.allclose(out.exp().sum(-1), torch.ones(3), atol=1e-5)
+
+
+class WithAuxLoss(nn.Module):
+    """Logits and a scalar auxiliary loss (as a mixture-of-experts balancing loss): the loss has no batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.net(x)
+        return logits, logits.square().mean()
+
+
+def test_a_leaf_without_a_batch_passes_where_the_task_does_not_reduce_it() -> None:
+    model = bayesify.convert(WithAuxLoss(), components=K, task="classification").eval()
+    with torch.no_grad():
+        logits, aux = model(torch.randn(2, 5))
+    assert logits.shape == (2, 3) and aux.dim() == 0
+    named = bayesify.convert(WithAuxLoss(), components=K, task={0: "classification", 1: "regression"}).eval()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"output of shape \(\) of WithAuxLoss has no dimension of 8"):
+        named(torch.randn(2, 5))  # a task named for it: it cannot be reduced
+
+
+# ---- a class axis that is the batch axis ----------------------------------------------------------
+
+
+def test_classification_of_one_value_per_example_is_refused_not_softmaxed_across_the_batch() -> None:
+    model = bayesify.convert(nn.Sequential(nn.Linear(3, 1), nn.Flatten(0)), components=K, task="classification")
+    model.eval()
+    with torch.no_grad():
+        for batch in (5, 1):
+            with pytest.raises(ValueError, match=rf"shape \({batch},\) .* holds the batch.*task='binary'.*\[B, C\]"):
+                model(torch.randn(batch, 3))
+        with pytest.raises(ValueError, match=r"holds the batch.*task='binary'"):
+            bayesify.uncertainty(model, torch.randn(5, 3))
+        with bayesify.mode(model, task="binary"):
+            assert model(torch.randn(5, 3)).shape == (5,)
+
+
+def test_one_unbatched_example_has_its_classes_on_its_one_axis() -> None:
+    model = bayesify.convert(nn.Linear(3, 4), components=K, task="classification").eval()  # a layer as the model
+    with torch.no_grad():
+        out = model(torch.randn(3))  # one example, no batch axis: [C]
+    assert out.shape == (4,) and torch.allclose(out.exp().sum(), torch.tensor(1.0))
