@@ -186,6 +186,18 @@ class _CondNet(nn.Module):
         return self.conv(x, torch.sigmoid(self.route(x.mean((2, 3)))))
 
 
+def test_merge_timm_plain_linear_in_a_real_network() -> None:
+    # timm's Linear (mobilenetv3, ghostnet, repghost heads) computes F.linear(x, weight, bias): it merges as
+    # nn.Linear does, and the merged copy keeps timm's class
+    timm = pytest.importorskip("timm")
+    original, converted = _convert(timm.create_model("mobilenetv3_small_100", pretrained=False, num_classes=5))
+    assert type(converted.classifier).__rank1_base__ is timm.layers.Linear
+    _assert_members(original, converted, _x(2, 3, 32, 32))
+    merged = bayesify.merge(converted, component=1)
+    assert type(merged.classifier) is timm.layers.Linear
+    assert "rank1_known_forwards" not in vars(converted.classifier)  # the converted model's layer is left as it was
+
+
 def test_merge_condconv() -> None:
     pytest.importorskip("timm")
     original, converted = _convert(_CondNet(bias=False))
@@ -257,10 +269,20 @@ def test_merge_additive_refused_where_it_is_not_a_bias(name: str) -> None:
 # ---- what cannot be merged, bad input, tied weights ----------------------------------------------
 
 
-def test_merge_refuses_a_layer_that_transforms_its_weight() -> None:
+@pytest.mark.parametrize("name", ["StdConv2d", "ScaledStdConv2d", "Conv2dSame", "a subclass of timm's Linear"])
+def test_merge_refuses_a_layer_that_transforms_its_weight(name: str) -> None:
     timm = pytest.importorskip("timm")
-    _, converted = _convert(nn.Sequential(timm.layers.StdConv2d(3, 4, 3), nn.ReLU()))
-    with pytest.raises(ValueError, match=r"'0' \(StdConv2d\): StdConv2d has a forward of its own"):
+
+    class Scaled(timm.layers.Linear):  # timm's Linear merges; a subclass with a forward of its own does not
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(x, 2 * self.weight, self.bias)
+
+    if name.startswith("a subclass"):
+        layer, name = Scaled(3, 4), "Scaled"
+    else:
+        layer = getattr(timm.layers, name)(3, 4, 3)
+    _, converted = _convert(nn.Sequential(layer, nn.ReLU()))
+    with pytest.raises(ValueError, match=rf"'0' \({name}\): {name} has a forward of its own"):
         bayesify.merge(converted, component=0)
 
 
