@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from bayesify.config import ModelOptions
 from bayesify.mixture import split_members, tile
 from bayesify.options import Route, Sampling
-from bayesify.predictive.outputs import is_packed, reduce_output
+from bayesify.predictive.outputs import check_rows, is_packed, primary_output, reduce_output, rows_axis
 from bayesify.predictive.tasks import Task
 from bayesify.variational.draws import Block, Draw, PassDraws, saved_tensors_hooked
 
@@ -371,6 +371,9 @@ class Router:
         if state is None:
             return output
         inputs, state.inputs = state.inputs, {}  # not held past the pass (they may be large)
+        if state.spec.route is Route.TILE and _has_rows(output):
+            # the tiled route hands its K*B rows back as they are: refuse an output without them, as the mixture does
+            check_rows(module, output, members=state.members, batch=state.batch, axis=state.axis)
         if state.spec.route is not Route.MIXTURE:
             return output
         axes = self.output_axes(module, output, state.axis)
@@ -400,6 +403,8 @@ class Router:
         axes = self.output_axes(root, output, axis)
 
         def split_leaf(t: object, dim: int | None) -> object:
+            if axis is not None and batch:  # (the batch may lie elsewhere in an output: as the reduction finds it)
+                dim = rows_axis(t, dim, state.members * batch)
             if dim is None or not isinstance(t, Tensor) or t.dim() <= dim:
                 return t
             if axis is None:
@@ -485,6 +490,17 @@ def _tile_packed(packed: PackedSequence, tiles: int) -> PackedSequence:
     unsorted = torch.empty_like(tiled_sorted)
     unsorted[tiled_sorted] = torch.arange(tiled_sorted.numel(), device=tiled_sorted.device)
     return PackedSequence(data.repeat_interleave(tiles, 0), batch_sizes * tiles, tiled_sorted, unsorted)
+
+
+def _has_rows(output: object) -> bool:
+    """Whether the output's primary part has rows at all (a model may return a scalar loss)."""
+    leaf = output if isinstance(output, Tensor) else None
+    if leaf is None:
+        try:
+            leaf = primary_output(output)[0]
+        except ValueError:
+            return False
+    return isinstance(leaf, Tensor) and leaf.dim() > 0
 
 
 def _in_backward() -> bool:

@@ -20,7 +20,7 @@ from bayesify.mixture import split_members
 from bayesify.predictive.libraries import infer_task
 from bayesify.predictive.tasks import Auto, Binary, Classification, Task, TaskMap
 
-__all__ = ["check_leaf", "check_rows", "is_packed", "leaf_task", "output_key", "primary_output", "reduce_output"]
+__all__ = ["check_leaf", "check_rows", "is_packed", "leaf_task", "output_key", "primary_output", "reduce_output", "rows_axis"]
 
 
 def is_packed(value: object) -> bool:
@@ -80,7 +80,7 @@ def reduce_output(
     def reduce(path: tuple, t: object, dim: int | None) -> object:
         key = output_key(path)
         if axis is not None:
-            dim = _rows_axis(t, dim, members * batch)
+            dim = rows_axis(t, dim, members * batch)
         if isinstance(t, PackedSequence):
             return _reduce_packed(t, members, batch, leaf_task(task, key, model, t, members))
         if task.recomputes(key):
@@ -172,7 +172,7 @@ def _primary_leaf(output: object) -> object:
         return None
 
 
-def _rows_axis(t: object, dim: int | None, rows: int) -> int | None:
+def rows_axis(t: object, dim: int | None, rows: int) -> int | None:
     """The axis of a tiled leaf's ``rows`` (members x batch): where the input has its batch, else the one axis of
     that size (an output that puts the batch elsewhere, as a time-major RNN's last step ``[B, C]`` with
     ``batch_dim=1``); two or more such axes are refused: which one is the batch cannot be told."""

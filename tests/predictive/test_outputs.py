@@ -123,10 +123,18 @@ def test_an_output_without_the_member_rows_is_refused_naming_batch_dim() -> None
             model(tokens)
         with pytest.raises(ValueError, match=message):
             bayesify.predict(model, tokens)
+        with pytest.raises(ValueError, match=message), bayesify.mode(model, route="tile"):  # (it returned [3, 3])
+            model(tokens)
     right = bayesify.convert(LSTMClassifier(), components=K, task="classification", batch_dim=1).eval()
     with torch.no_grad():
         out = right(tokens)
+        members = bayesify.predict(right, tokens)  # the output's batch is at 0, the input's at 1: split there
     assert out.shape == (3, 3) and torch.allclose(out.exp().sum(-1), torch.ones(3), atol=1e-5)
+    assert members.shape == (K, 3, 3)  # (it was [1, 12, 3])
+    with torch.no_grad():
+        for k in range(K):
+            with bayesify.mode(right, component=k, noise=False):
+                torch.testing.assert_close(members[k], right(tokens))
 
 
 class WithAuxLoss(nn.Module):
