@@ -126,7 +126,7 @@ class ModelDraws:
                 loc = self._joined(draws, group, "loc")
                 if loc is None:  # not joined this pass: only the random numbers now (the module doc)
                     if noise and group.sampled:
-                        draws.eps[(group.key, per)] = group.noise(self.components if components is None else components.shape[0])
+                        draws.eps[(group.key, per)] = group.noise(count)
                     continue
                 scale = eps = None
                 if noise and group.sampled:
