@@ -14,12 +14,9 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import sys
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -30,16 +27,6 @@ from bayesify.inspection import num_components, rank1_layers
 from bayesify.sharding import is_sharded
 
 __all__ = ["merge"]
-
-# Library classes whose forward computes exactly their torch base class's map on the weight as it is, so that
-# component k folded into the weight is member k: {(module, class): the torch class whose maths it is}. bayesify
-# imports none of these libraries: a class is looked up where its module is loaded. Any other subclass with a
-# forward of its own is refused (timm's StdConv2d / ScaledStdConv2d standardise their weight, Conv2dSame pads).
-_SAME_MAPS: dict[tuple[str, str], type[nn.Module]] = {
-    # F.linear(input, self.weight, self.bias); under torch.jit scripting only, weight and bias cast to the input's dtype
-    ("timm.layers.linear", "Linear"): nn.Linear,
-}
-
 
 def merge(model: nn.Module, component: int) -> nn.Module:
     """A new plain model: ``model``'s member ``component`` with its posterior means in the weights.
@@ -109,8 +96,7 @@ def _member_values(merged: nn.Module, component: int) -> list[tuple[str, nn.Modu
     updates: list[tuple[str, nn.Module, dict[str, Tensor]]] = []
     for name, layer in rank1_layers(merged):
         try:
-            with _merged_as_its_torch_class(layer):
-                values = layer.rank1_merge(component)
+            values = layer.rank1_merge(component)
         except (ValueError, NotImplementedError) as error:
             where = repr(name) if name else "the model"
             kind = type(layer).__rank1_base__.__name__
@@ -118,32 +104,6 @@ def _member_values(merged: nn.Module, component: int) -> list[tuple[str, nn.Modu
             raise type(error)(message if message.endswith(".") else message + ".") from None
         updates.append((name, layer, values))
     return updates
-
-
-def _same_map(forward: Callable) -> type[nn.Module] | None:
-    """The torch class whose maths ``forward`` computes, for a forward of a class in :data:`_SAME_MAPS`."""
-    for (module, name), torch_class in _SAME_MAPS.items():
-        cls = getattr(sys.modules.get(module), name, None)
-        if isinstance(cls, type) and cls.forward is forward:
-            return torch_class
-    return None
-
-
-@contextlib.contextmanager
-def _merged_as_its_torch_class(layer: nn.Module) -> Iterator[None]:
-    """While ``layer`` (a layer of merge's own copy) folds its member: where its original class's forward is its torch
-    class's maths (:data:`_SAME_MAPS`) and the family folds that torch class, the family accepts the forward too."""
-    forward = type(layer).__rank1_base__.forward
-    torch_class = _same_map(forward)
-    if torch_class is None or torch_class.forward not in layer.rank1_merge_forwards:
-        yield
-        return
-    # the family's forwards it folds (Rank1Affine.rank1_merge_forwards reads rank1_known_forwards), for this copy only
-    layer.__dict__["rank1_known_forwards"] = (*layer.rank1_known_forwards, forward)
-    try:
-        yield
-    finally:
-        del layer.__dict__["rank1_known_forwards"]
 
 
 def _write_values(merged: nn.Module, updates: list[tuple[str, nn.Module, dict[str, Tensor]]]) -> dict[str, list[str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch.nn.functional as F
@@ -24,7 +25,12 @@ class Rank1Linear(Rank1Affine):
         Dusenberry et al., ICML 2020, Eq. 1; edward2 ``DenseRank1``.
     """
 
-    rank1_known_forwards = (nn.Linear.forward,)
+    @property
+    def rank1_known_forwards(self) -> tuple:  # type: ignore[override]
+        # nn.Linear's, and timm's Linear (MobileNetV3's, GhostNet's heads): F.linear(x, weight, bias), with a dtype
+        # cast under torch.jit scripting only. bayesify imports no library: looked up where timm is loaded
+        timm_linear = getattr(sys.modules.get("timm.layers.linear"), "Linear", None)
+        return (nn.Linear.forward,) if timm_linear is None else (nn.Linear.forward, timm_linear.forward)
 
     def rank1_features(self) -> tuple[int, int]:
         return self.in_features, self.out_features
