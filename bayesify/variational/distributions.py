@@ -49,15 +49,21 @@ def rsample(family: Posterior, loc: Tensor, scale: Tensor | None, eps: Tensor | 
 
 def noise(family: Posterior, like: Tensor) -> Tensor:
     """The standard noise of ``family`` in ``like``'s shape, dtype and device (the random numbers of :func:`rsample`)."""
-    if like.device.type == "cpu" and torch.compiler.is_compiling():
-        # (the op takes the shape, not ``like``: a ``like`` made of expanded views is then never written out)
-        return torch.ops.bayesify.standard_noise(like.shape, like.dtype, like.device, family is Posterior.CAUCHY)
-    return _standard_noise(like.shape, like.dtype, like.device, family is Posterior.CAUCHY)
+    return noise_of(family, like.shape, like.dtype, like.device)
+
+
+def noise_of(family: Posterior, size: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """:func:`noise` of a shape, dtype and device (no tensor to take them from)."""
+    if device.type == "cpu" and torch.compiler.is_compiling():
+        # (the op takes the shape, not a tensor: a ``like`` made of expanded views is then never written out)
+        return torch.ops.bayesify.standard_noise(size, dtype, device, family is Posterior.CAUCHY)
+    return _standard_noise(size, dtype, device, family is Posterior.CAUCHY)
 
 
 def _standard_noise(size: Sequence[int], dtype: torch.dtype, device: torch.device, cauchy: bool) -> Tensor:
-    out = torch.empty(size, dtype=dtype, device=device)
-    return out.cauchy_() if cauchy else out.normal_()
+    if cauchy:
+        return torch.empty(size, dtype=dtype, device=device).cauchy_()
+    return torch.randn(size, dtype=dtype, device=device)  # (one op; randn_like's very numbers)
 
 
 # The noise in a graph compiled for the CPU: an op inductor calls instead of lowering. Inductor's own CPU random

@@ -202,8 +202,7 @@ class TableGroup:
         first = self._tensor(0, "loc")
         if not self.sampled or first is None:
             return None
-        like = torch.empty((rows, sum(self.sizes)), dtype=first.dtype, device=first.device)
-        return distributions.noise(self.options.posterior, like)
+        return distributions.noise_of(self.options.posterior, (rows, sum(self.sizes)), first.dtype, first.device)
 
     def draw_one(self, slot: int, components: Tensor | None, eps: Tensor) -> Tensor:
         """Table ``slot``'s values per entry of ``components`` from its columns of :meth:`noise`: what
