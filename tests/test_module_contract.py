@@ -426,7 +426,7 @@ def test_converted_on_the_meta_device_a_plain_checkpoint_loads_with_the_initial_
     torch.manual_seed(0)
     plain = net()
     checkpoint = plain.state_dict()
-    options = dict(task="classification", init="normal", init_std=0.05, init_jitter=0.1)
+    options = {"task": "classification", "init": "normal", "init_std": 0.05, "init_jitter": 0.1}
     with torch.device("meta"):
         model = bayesify.convert(net(), **options)
     model = model.to_empty(device="cpu")
@@ -438,7 +438,7 @@ def test_converted_on_the_meta_device_a_plain_checkpoint_loads_with_the_initial_
     reference.load_state_dict(checkpoint)
     for (name, value), (_, expected) in zip(model.state_dict().items(), reference.state_dict().items()):
         assert torch.isfinite(value).all(), name
-        if name.endswith(".loc") or name.endswith("rank1_bias"):
+        if name.endswith((".loc", "rank1_bias")):
             assert (value - expected).abs().max() < 0.5, name  # init="normal" draws its own spread
     assert torch.isfinite(bayesify.kl_divergence(model))
     x = torch.randn(2, 8)
