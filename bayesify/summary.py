@@ -148,5 +148,5 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
             report.bypassed[name] = "never ran in the example forward pass (unused, or its weight is read elsewhere)"
         elif layer.rank1_state.batch_independent:
             report.shared[name] = ("ran on an input that does not depend on the batch: one component's factors for "
-                                     "every member's rows (not their exact mixture); convert(..., exclude=[name]) "
+                                     f"every member's rows (not their exact mixture); convert(..., exclude=[{name!r}]) "
                                      "keeps it deterministic")  # fmt: skip
