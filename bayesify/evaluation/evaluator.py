@@ -35,7 +35,7 @@ from bayesify.mode import predict
 from bayesify.model_state import model_state
 from bayesify.predictive.libraries import predicts_next_token
 from bayesify.predictive.outputs import check_leaf, leaf_task, primary_output
-from bayesify.predictive.tasks import Task
+from bayesify.predictive.tasks import Classification, Task
 
 __all__ = [
     "collect_members",
@@ -236,7 +236,27 @@ def _prepare(x: Tensor, device: torch.device | str, transform: Transform | None)
 def _member_log_probs(model: nn.Module, x: Tensor, samples: int) -> Tensor:
     # [K * M, B, C] on the CPU: every member of a converted model, the one member of a plain one
     members = predict(model, x, samples=samples) if is_converted(model) else model(x).unsqueeze(0)
+    if not isinstance(members, Tensor) or members.dim() != 3:
+        shape = tuple(members.shape[1:]) if isinstance(members, Tensor) else type(members).__name__
+        raise ValueError(
+            f"the corruption benchmark scores image classifiers, whose output is [B, C] class logits; "
+            f"{type(model).__name__} returned {shape}. For another output, corrupt the images with "
+            "bayesify.evaluation.corrupt_images and score them with evaluate()."
+        )
     return member_log_probs_from_logits(members).cpu()
+
+
+def _check_classifier(model: nn.Module) -> None:
+    """Before any work: a converted model's task is class logits on the last axis (what the benchmark scores)."""
+    if not is_converted(model):
+        return
+    task = model_task(model)
+    if not isinstance(task, Classification) or task.class_axis not in (None, -1):
+        raise ValueError(
+            f"the corruption benchmark scores image classifiers ([B, C] class logits); {type(model).__name__}'s "
+            f"output is {task}. For another task, corrupt the images with bayesify.evaluation.corrupt_images and "
+            "score them with evaluate()."
+        )
 
 
 @dataclass
@@ -489,6 +509,8 @@ def compare_corruptions(
     from tqdm.auto import tqdm
 
     _check_bins(bins)
+    for model, _ in models:
+        _check_classifier(model)
     names = parse_corruptions(corruptions)
     severities = parse_severities(severities)
     device = torch.device(device)

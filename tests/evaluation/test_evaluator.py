@@ -232,3 +232,22 @@ def test_unbatched_examples_are_evaluated_as_batches_of_one(images):
         assert one_by_one.keys() == batched.keys()
         for key in ("nll", "accuracy", "ece", "brier"):
             assert one_by_one[key] == pytest.approx(batched[key], rel=1e-5, abs=1e-7), key
+
+
+def test_the_corruption_benchmark_refuses_what_is_not_a_classifier_naming_evaluate() -> None:
+    # it scores [B, C] class logits: a regression ended in a label-shape error, a segmentation model in an
+    # AttributeError on its dict output
+    import torchvision
+    from torch.utils.data import TensorDataset
+
+    from bayesify.evaluation import evaluate_corruptions
+
+    regression = bayesify.convert(nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 1)), task="regression")
+    with pytest.raises(ValueError, match=r"scores image classifiers .* output is regression.*corrupt_images.*evaluate\(\)"):
+        evaluate_corruptions(regression, TensorDataset(torch.rand(4, 3, 32, 32), torch.randn(4)), corruptions="fog", severities=[1])
+    segmentation = bayesify.convert(torchvision.models.segmentation.lraspp_mobilenet_v3_large(weights=None, weights_backbone=None, num_classes=3))
+    with pytest.raises(ValueError, match=r"scores image classifiers .*class axis 1"):
+        evaluate_corruptions(segmentation, TensorDataset(torch.rand(2, 3, 32, 32), torch.randint(3, (2, 32, 32))), corruptions="fog", severities=[1])
+    plain = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 1), nn.Flatten(0))  # unconverted: its output is checked
+    with pytest.raises(ValueError, match=r"returned \(4,\)"):
+        evaluate_corruptions(plain, TensorDataset(torch.rand(4, 3, 32, 32), torch.randint(2, (4,))), corruptions="fog", severities=[1])
