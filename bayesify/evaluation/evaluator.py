@@ -251,7 +251,7 @@ def _check_classifier(model: nn.Module) -> None:
     if not is_converted(model):
         return
     task = model_task(model)
-    if not isinstance(task, Classification) or task.class_axis not in (None, -1):
+    if not isinstance(task, Classification):  # (its output's shape is checked at the first batch)
         raise ValueError(
             f"the corruption benchmark scores image classifiers ([B, C] class logits); {type(model).__name__}'s "
             f"output is {task}. For another task, corrupt the images with bayesify.evaluation.corrupt_images and "
