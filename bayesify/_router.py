@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from bayesify.config import ModelOptions
 from bayesify.mixture import split_members, tile
 from bayesify.options import Route, Sampling
-from bayesify.predictive.outputs import check_rows, is_packed, primary_output, reduce_output, rows_axis
+from bayesify.predictive.outputs import check_rows, is_packed, primary_leaf, reduce_output, rows_axis
 from bayesify.predictive.tasks import Task
 from bayesify.variational.draws import Block, Draw, PassDraws, saved_tensors_hooked
 
@@ -371,7 +371,7 @@ class Router:
         if state is None:
             return output
         inputs, state.inputs = state.inputs, {}  # not held past the pass (they may be large)
-        if state.spec.route is Route.TILE and _has_rows(output):
+        if state.spec.route is Route.TILE and getattr(primary_leaf(output), "ndim", 0) > 0:  # (not a scalar loss)
             # the tiled route hands its K*B rows back as they are: refuse an output without them, as the mixture does
             check_rows(module, output, members=state.members, batch=state.batch, axis=state.axis)
         if state.spec.route is not Route.MIXTURE:
@@ -490,17 +490,6 @@ def _tile_packed(packed: PackedSequence, tiles: int) -> PackedSequence:
     unsorted = torch.empty_like(tiled_sorted)
     unsorted[tiled_sorted] = torch.arange(tiled_sorted.numel(), device=tiled_sorted.device)
     return PackedSequence(data.repeat_interleave(tiles, 0), batch_sizes * tiles, tiled_sorted, unsorted)
-
-
-def _has_rows(output: object) -> bool:
-    """Whether the output's primary part has rows at all (a model may return a scalar loss)."""
-    leaf = output if isinstance(output, Tensor) else None
-    if leaf is None:
-        try:
-            leaf = primary_output(output)[0]
-        except ValueError:
-            return False
-    return isinstance(leaf, Tensor) and leaf.dim() > 0
 
 
 def _in_backward() -> bool:

@@ -20,7 +20,7 @@ from bayesify.mixture import split_members
 from bayesify.predictive.libraries import infer_task
 from bayesify.predictive.tasks import Auto, Binary, Classification, Task, TaskMap
 
-__all__ = ["check_leaf", "check_rows", "is_packed", "leaf_task", "output_key", "primary_output", "reduce_output", "rows_axis"]
+__all__ = ["check_leaf", "check_rows", "is_packed", "leaf_task", "output_key", "primary_leaf", "primary_output", "reduce_output", "rows_axis"]
 
 
 def is_packed(value: object) -> bool:
@@ -75,7 +75,7 @@ def reduce_output(
     ``axis`` None: one unbatched example, the members along the leaf's axis); ``inputs``: the call's keyword
     arguments (a task may read them, e.g. a Hugging Face model's ``labels``)."""
     leaves, tree = tree_flatten_with_path(output, is_leaf=is_packed)
-    primary = _primary_leaf(output)
+    primary = primary_leaf(output)
 
     def reduce(path: tuple, t: object, dim: int | None) -> object:
         key = output_key(path)
@@ -149,7 +149,7 @@ def check_rows(model: nn.Module, output: object, *, members: int, batch: int, ax
     """Refuse in one line a tiled pass's ``output`` whose primary part (:func:`primary_output`) has no dimension of
     ``members * batch`` rows (the batch taken at dimension ``axis`` of the input; None: unbatched, nothing to
     check): its members could not be told apart (:func:`bayesify.predict`)."""
-    leaf = _primary_leaf(output)
+    leaf = primary_leaf(output)
     rows = members * batch
     if axis is not None and batch and isinstance(leaf, Tensor) and rows not in leaf.shape:
         _refuse_rows(model, leaf, members, batch, axis)
@@ -164,7 +164,7 @@ def _refuse_rows(model: nn.Module, t: Tensor, members: int, batch: int, axis: in
     )
 
 
-def _primary_leaf(output: object) -> object:
+def primary_leaf(output: object) -> object:
     """The primary output's tensor (see :func:`primary_output`), or None where the output has none."""
     try:
         return primary_output(output)[0]
