@@ -324,11 +324,10 @@ def _existing_state(model: nn.Module) -> ModelState | None:
 def _state_for(model: nn.Module, config: Rank1Config, said: Task) -> ModelState:
     """The model's state: the existing one on a second conversion (whose model-wide options it must keep), else a
     new one."""
-    existing = model.__dict__.get(ATTRIBUTE)
+    existing = _existing_state(model)
     inner = [(name, layer) for name, layer in rank1_layers(model)]
     converted = type(model).__name__
-    if existing is None and inner:
-        existing = inner[0][1].rank1_state.model  # a part of the model was converted on its own before
+    if existing is not None and ATTRIBUTE not in model.__dict__:  # a part of the model was converted on its own before
         existing.report = ConversionReport()  # (its names were relative to that part)
         converted = f"a part of {type(model).__name__} (holding {inner[0][0]!r})"
     inner = [layer for _, layer in inner]
