@@ -39,6 +39,9 @@ tasks: with its new head, the same weights for every method of a seed):
 | ``ft-rank1-spread`` | ``bayesify.convert(pretrained, init="normal", init_mean_std=0.1)``: the K components' means spread N(1, 0.1) at conversion (issue 29's study), everything fine-tuned | as ``rank1`` | K |
 | ``ft-rank1-headsign`` | ``ft-rank1``, then only the new head's factor means (``rank1_r.loc``, ``rank1_s.loc``) set to random signs +-1 (p = 0.5, the reference's ``random_sign_init``): K different heads, as an ensemble's (head study) | as ``rank1`` | K |
 | ``ft-rank1-headnormal`` | ``ft-rank1``, then only the new head's factor means drawn N(1, 0.5) (head study) | as ``rank1`` | K |
+| ``ft-rank1-flr10`` | ``ft-rank1`` with the rank-1 parameters (``bayesify.rank1_parameters``) at 10x the learning rate (lever study) | as ``rank1`` | K |
+| ``ft-rank1-prior0.3`` | ``bayesify.convert(pretrained, prior_std=0.3)`` (the default's depth rule gives about 0.13 for the ResNet-8), everything fine-tuned (lever study) | as ``rank1`` | K |
+| ``ft-rank1-flr10-prior0.3`` | both: ``prior_std=0.3`` and the rank-1 parameters at 10x the learning rate (lever study) | as ``rank1`` | K |
 | ``ft-rank1-sampled`` | the ``ft-rank1`` run itself | - | K x M = 4 x 4 samples |
 | ``ft-rank1-factors`` | the adapter: ``convert`` + ``bayesify.freeze_base`` (and the new head trains, where there is one) | as ``rank1`` | K |
 | ``ft-rank1-factors-sampled`` | the ``ft-rank1-factors`` run itself | - | 4 x 4 samples |
@@ -531,7 +534,10 @@ def _bayesian_torch_available() -> bool:
 # methods that need a package of the bench extra: key -> the package (skipped with a note where it is missing)
 OPTIONAL_METHODS = {"bayesian-torch": "bayesian-torch", "ft-laplace": "laplace-torch", "ft-laplace-all": "laplace-torch"}
 # run only when named (--methods): one-off questions, answered in benchmarks/results/
-STUDY_METHODS = ("ft-rank1-spread", "ft-rank1-headsign", "ft-rank1-headnormal")
+STUDY_METHODS = (
+    "ft-rank1-spread", "ft-rank1-headsign", "ft-rank1-headnormal",
+    "ft-rank1-flr10", "ft-rank1-prior0.3", "ft-rank1-flr10-prior0.3",
+)  # fmt: skip
 
 
 METHODS: list[Method] = [
@@ -572,6 +578,12 @@ FINETUNE_METHODS: list[Method] = [
           from_pretrained=True, head_means="sign"),
     Rank1(key="ft-rank1-headnormal", label="rank-1 fine-tune, the new head's factor means N(1, 0.5)",
           from_pretrained=True, head_means="normal"),
+    Rank1(key="ft-rank1-flr10", label="rank-1 fine-tune, rank-1 parameters at 10x the learning rate",
+          from_pretrained=True, factor_lr=10.0),
+    Rank1(key="ft-rank1-prior0.3", label="rank-1 fine-tune, prior_std=0.3", convert_kwargs={"prior_std": 0.3},
+          from_pretrained=True),
+    Rank1(key="ft-rank1-flr10-prior0.3", label="rank-1 fine-tune, prior_std=0.3 and rank-1 parameters at 10x the "
+          "learning rate", convert_kwargs={"prior_std": 0.3}, from_pretrained=True, factor_lr=10.0),
     Rank1(key="ft-rank1-sampled", label="rank-1 fine-tune, the same nets evaluated with 4 samples per component",
           from_pretrained=True, eval_noise=True, builds_on="ft-rank1", post_hoc=True),
     Rank1(key="ft-rank1-factors", label="rank-1 adapter (freeze_base; a new head trains too)", from_pretrained=True,
