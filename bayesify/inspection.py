@@ -65,7 +65,7 @@ def model_task(model: nn.Module, task: object = None, *, needed_by: str | None =
     """What ``model``'s output means: ``task`` if given, else what the converted model was told (or found) at
     conversion, else what a plain model states (timm / torchvision / Hugging Face; see
     :func:`~bayesify.predictive.tasks.resolve_task`, which decides, and raises naming ``needed_by``'s ``task=``)."""
-    stated = model_state(model).task if is_converted(model) else infer_task(model)
+    stated = model_state(model).current_task() if is_converted(model) else infer_task(model)
     return resolve_task(task, stated=stated, needed_by=needed_by)
 
 

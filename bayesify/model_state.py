@@ -30,6 +30,8 @@ from torch.utils.hooks import RemovableHandle
 from bayesify import _weight_decay
 from bayesify._router import Router
 from bayesify.config import ModelOptions
+from bayesify.options import Route
+from bayesify.predictive.libraries import named_outputs, restated_task
 from bayesify.predictive.tasks import Auto, Task
 from bayesify.variational import store
 from bayesify.variational.draws import ModelDraws
@@ -80,6 +82,7 @@ class ModelState:
     report: ConversionReport = field(default_factory=ConversionReport)
     handles: list[RemovableHandle] = field(default_factory=list)  # the hooks attach() installed on the root
     warned: set[str] = field(default_factory=set)  # the warnings given once per model (their kinds)
+    as_tuple: bool = False  # the pass in flight returns its named outputs as the tuple the call asked for
 
     def __post_init__(self) -> None:
         if self.router is None:
@@ -91,6 +94,15 @@ class ModelState:
     def components(self) -> int:
         """K, the number of mixture components."""
         return self.options.components
+
+    def current_task(self, root: nn.Module | None = None) -> Task:
+        """:attr:`task`, read again from the root's Hugging Face config where it changed since it was read
+        (transformers sets ``config.problem_type`` in the first forward pass with labels; see :func:`restated_task`).
+        ``root``: the converted root (default: the one this state is bound to)."""
+        root = root if root is not None else self.root
+        if root is not None:
+            self.task = restated_task(root, self.task)
+        return self.task
 
     @property
     def root(self) -> nn.Module | None:
@@ -131,6 +143,11 @@ class ModelState:
             )
         args, kwargs = self.router.begin(root, args, kwargs)
         state = self.router.state
+        # a pass whose members are tiled reads each output by its name (a Hugging Face model asked for a tuple is
+        # called for its ModelOutput), then hands back what the call asked for (end)
+        self.as_tuple = False
+        if state.spec.route in (Route.MIXTURE, Route.TILE):
+            kwargs, self.as_tuple = named_outputs(root, kwargs)
         state.draws = self.draws.begin(
             state.spec.noise, state.rows, state.blocks, state.block_components, state.fixed_components, state.signature
         )
@@ -141,7 +158,8 @@ class ModelState:
         state = self.router.state
         if state is not None and state.draws is not None:
             self.draws.end(state.draws)
-        return self.router.end(root, output, self.task)
+        output = self.router.end(root, output, self.current_task(root))
+        return output.to_tuple() if self.as_tuple and hasattr(output, "to_tuple") else output
 
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -82,7 +82,7 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     dropped from ``skipped`` (see ``bayesify._weight_uses``).
     """
     state = model_state(model)
-    report = Summary(model=type(model).__name__, components=state.components, task=str(state.task))
+    report = Summary(model=type(model).__name__, components=state.components, task=str(state.current_task()))
     added_ids = set()
     for name, layer in rank1_layers(model):
         added = list(layer.rank1_parameters())

@@ -23,6 +23,7 @@ from bayesify.predictive.decompositions import (
     regression_uncertainty,
 )
 from bayesify.predictive.heads import VarianceParameter, gaussian_head
+from bayesify.predictive.libraries import named_outputs
 from bayesify.predictive.outputs import check_leaf, leaf_task, primary_output
 from bayesify.predictive.tasks import resolve_task
 
@@ -83,6 +84,7 @@ def uncertainty(
         Depeweg et al., ICML 2018 (the decompositions).
     """
     resolved = model_task(model, task, needed_by="bayesify.uncertainty")
+    kwargs = named_outputs(model_state(model).root or model, kwargs)[0]  # (read by name: a tuple's positions do not say which is which)
     members = predict(model, *inputs, samples=1 if noise is False else samples, noise=noise, **kwargs)
     leaf, key = primary_output(members)
     found = leaf_task(resolved, key, model)

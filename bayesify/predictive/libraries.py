@@ -93,6 +93,7 @@ class HuggingFaceTask(TaskMap):
 
     rest: str = "mean"
     recompute_loss: bool = True
+    problem_type: str | None = None  # the model's config.problem_type that the logits' task was read from
 
     def recomputes(self, key: Any) -> bool:
         return self.recompute_loss and key == "loss"
@@ -130,8 +131,45 @@ def _huggingface_task(model: nn.Module) -> Task | None:
     else:
         logits = Classification(-1)  # causal / masked LM (logits over the vocabulary, which may be padded)
     if kind.endswith("ForQuestionAnswering"):  # a distribution over the positions where the answer starts and ends
-        return HuggingFaceTask((("start_logits", Classification(-1)), ("end_logits", Classification(-1))))
-    return HuggingFaceTask((("logits", logits),))
+        return HuggingFaceTask((("start_logits", Classification(-1)), ("end_logits", Classification(-1))), problem_type=problem)
+    return HuggingFaceTask((("logits", logits),), problem_type=problem)
+
+
+def named_outputs(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The keyword arguments that call a Hugging Face model for its named ``ModelOutput`` where the call (or the
+    model's config) asks for a tuple (``return_dict=False``), and whether it did: a tuple's positions do not say what
+    each output is (the loss comes first only when labels were given), so the mixture reduces the named outputs and
+    the caller hands them back as the tuple asked for (``ModelOutput.to_tuple()``: what the model would return)."""
+    module = sys.modules.get("transformers")
+    base = getattr(module, "PreTrainedModel", None)
+    if base is None or not isinstance(model, base):
+        return kwargs, False
+    said = kwargs.get("return_dict")
+    if said is None and "return_dict" not in kwargs and getattr(model.config, "return_dict", True) is False:
+        said = False if _takes_return_dict(type(model)) else None
+    if said is False:
+        return {**kwargs, "return_dict": True}, True
+    return kwargs, False
+
+
+@functools.cache
+def _takes_return_dict(cls: type) -> bool:
+    """Whether ``cls.forward`` takes ``return_dict`` (by name, or in its ``**kwargs``, as transformers' decorated
+    forwards do)."""
+    try:
+        parameters = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "return_dict" in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def restated_task(model: nn.Module, task: Task) -> Task:
+    """``task``, or what ``model`` states now where it was read from a Hugging Face config that has changed since:
+    transformers sets ``config.problem_type`` in the first forward pass with labels (float multi-hot labels: multi-label
+    sigmoids, where the head stated nothing at conversion and read as a softmax over the labels)."""
+    if isinstance(task, HuggingFaceTask) and getattr(getattr(model, "config", None), "problem_type", None) != task.problem_type:
+        return _huggingface_task(model) or task
+    return task
 
 
 def predicts_next_token(model: nn.Module) -> bool:

@@ -295,3 +295,65 @@ def test_huggingface_loss_in_evaluation_is_the_models_own_or_refused() -> None:
     ctc = bayesify.convert(transformers.Wav2Vec2ForCTC(config), components=K).eval()
     with torch.no_grad(), pytest.raises(ValueError, match="cannot recompute Wav2Vec2ForCTC's loss from the mixture"):
         ctc(torch.randn(2, 400), labels=torch.randint(1, 12, (2, 3)))
+
+
+def _bert_classifier(transformers, **config):
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=32, **config))  # fmt: skip
+
+
+def test_a_multi_label_head_whose_problem_type_transformers_sets_in_training_is_reduced_by_sigmoids() -> None:
+    """A sequence classifier made without ``problem_type`` and trained on float multi-hot labels: transformers sets
+    ``config.problem_type = "multi_label_classification"`` in the first forward pass with labels, after conversion.
+    Evaluation then mixes the members' sigmoids and its loss is the mixture's BCE, as if the config had said so at
+    conversion (it was a softmax across the labels: probabilities summing to 1, no warning)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = bayesify.convert(_bert_classifier(transformers, num_labels=4), components=K)
+    ids, labels = torch.randint(4, 60, (5, 7)), torch.randint(2, (5, 4)).float()
+    model.train()
+    model(input_ids=ids, labels=labels).loss.backward()
+    assert model.config.problem_type == "multi_label_classification"
+    _randomise(model)
+    model.eval()
+    members = torch.stack([out.logits for out in _members_by_hand(model, ids)])
+    mixture = members.sigmoid().mean(0)
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.logits.sigmoid(), mixture)
+    torch.testing.assert_close(out.loss, F.binary_cross_entropy(mixture, labels))
+    assert "multilabel" in str(bayesify.summary(model)).splitlines()[2]
+    assert type(bayesify.uncertainty(model, ids, noise=False)).__name__ == "BinaryUncertainty"
+
+
+def test_return_dict_false_gives_the_named_outputs_mixture_as_a_tuple() -> None:
+    """``return_dict=False`` (in the call, or in the config) returns the very values of the ``ModelOutput`` as the
+    tuple transformers makes of it: the mixture of the logits by their task, and the loss recomputed from it (a
+    tuple's positions say nothing of which is which: the logits were averaged, the loss refused for want of rows).
+    Training passes return the model's own tuple."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = bayesify.convert(_bert_classifier(transformers, num_labels=3), components=K)
+    _randomise(model)
+    ids, labels = torch.randint(4, 60, (5, 7)), torch.tensor([0, 2, 1, 1, 0])
+    model.eval()
+    with torch.no_grad():
+        named = model(input_ids=ids, labels=labels)
+        (logits,) = model(input_ids=ids, return_dict=False)
+        loss, logits_with_loss = model(input_ids=ids, labels=labels, return_dict=False)
+    members = torch.stack([out.logits for out in _members_by_hand(model, ids)])
+    torch.testing.assert_close(named.logits, members.softmax(-1).mean(0).log())
+    torch.testing.assert_close(logits, named.logits)
+    torch.testing.assert_close(logits_with_loss, named.logits)
+    torch.testing.assert_close(loss, named.loss)
+    u = bayesify.uncertainty(model, ids, return_dict=False, noise=False)
+    assert type(u).__name__ == "ClassificationUncertainty"
+    torch.testing.assert_close(u.probs, named.logits.exp())
+    model.config.return_dict = False  # (the config's switch, as from_pretrained(..., return_dict=False) sets it)
+    with torch.no_grad():
+        (from_config,) = model(input_ids=ids)
+    torch.testing.assert_close(from_config, named.logits)
+    model.train()
+    out = model(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(out, tuple) and out[0].dim() == 0 and out[1].shape == (5, 3)
