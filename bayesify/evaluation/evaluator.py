@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -48,12 +47,15 @@ __all__ = [
 ]
 
 Transform = Callable[[Tensor], Tensor]
+Batch = tuple[Tensor, Tensor] | Mapping[str, object]
+"""A batch: an ``(inputs, target)`` pair, or a mapping (a Hugging Face data set's ``{"input_ids", "attention_mask",
+"labels"}``) whose ``label_key`` entry is the target and whose other entries are the model's keyword inputs."""
 
 
 @torch.no_grad()
 def collect_members(
     model: nn.Module,
-    batches: Iterable[tuple[Tensor, Tensor]],
+    batches: Iterable[Batch],
     *,
     samples: int = 1,
     device: torch.device | str = "cpu",
@@ -61,24 +63,32 @@ def collect_members(
     corrupt: Callable[[Tensor, int], Tensor] | None = None,
     noise: bool | None = None,
     output: object = None,
+    label_key: str = "labels",
 ) -> tuple[Tensor, Tensor]:
     """The raw member outputs ``[K * M, N, ...]`` (component-major) and the targets ``[N, ...]``, on the CPU.
 
     Args:
         model: a converted model (K components) or a plain one (one member).
-        batches: ``(inputs, targets)`` batches, e.g. a ``DataLoader``; a 0-d target marks one example (a
-            ``DataLoader`` with ``batch_size=None``), given to the model as a batch of one.
+        batches: ``(inputs, targets)`` batches, e.g. a ``DataLoader``, or mappings (a Hugging Face data set's
+            ``{"input_ids", "attention_mask", "labels"}``): the ``label_key`` entry is the target, the other
+            entries go to the model as keyword arguments (``model(**inputs)``), their tensors moved to ``device``.
+            A 0-d target marks one example (a ``DataLoader`` with ``batch_size=None``), given to the model as a
+            batch of one.
         samples: M, posterior samples per component (ignored for a plain model).
         device: where the model runs.
-        transform: applied to inputs on the device before the model (e.g. normalisation).
+        transform: applied to inputs on the device before the model (e.g. normalisation); a mapping batch's
+            inputs are the mapping of keyword inputs (``transform`` returns the mapping given to the model).
         corrupt: ``corrupt(inputs, batch_index)`` applied to the raw inputs before ``transform``.
         noise: sample the factors (True) or use the posterior means (False); None: as
             :func:`bayesify.predict` decides (sampled for ``samples > 1``, else the model's default).
         output: the part of a structured output to collect (see :func:`evaluate`); default: the one
             :func:`bayesify.uncertainty` decomposes.
+        label_key: the target's entry in a mapping batch.
     """
     with evaluation_mode(model):
-        return _collect_members(model, batches, samples, device, transform, corrupt, noise, output)[:2]
+        return _collect_members(
+            model, batches, samples, device, transform, corrupt, noise, output, label_key=label_key
+        )[:2]
 
 
 @contextlib.contextmanager
@@ -96,27 +106,29 @@ def evaluation_mode(*models: nn.Module) -> Iterator[None]:
 
 
 def _collect_members(
-    model: nn.Module, batches: Iterable[tuple[Tensor, Tensor]], samples: int, device: torch.device | str,
+    model: nn.Module, batches: Iterable[Batch], samples: int, device: torch.device | str,
     transform: Transform | None, corrupt: Callable[[Tensor, int], Tensor] | None, noise: bool | None,
-    output: object = None, *, labels: bool = True, task: Task | None = None,
+    output: object = None, *, labels: bool = True, task: Task | None = None, label_key: str = "labels",
 ) -> tuple[Tensor, Tensor, object]:  # fmt: skip
     """:func:`collect_members`, and the key of the output collected (None: the model returns one tensor);
-    ``labels``: the targets are scored (a language model's logits and labels are then aligned); ``task``: the
-    model's, checked to name one for the output collected at the first batch (not after the whole set)."""
+    ``labels``: the targets are scored (a language model's logits and labels are then aligned; False: an OOD set,
+    whose mappings need no target and whose targets come back empty); ``task``: the model's, checked to name one
+    for the output collected at the first batch (not after the whole set)."""
     converted = is_converted(model)
     next_token = labels and predicts_next_token(model)
     batch_dim = model_state(model).options.batch_dim if converted else 0
     outputs, targets, key = [], [], None
-    for index, (x, y) in enumerate(batches):
-        y = torch.as_tensor(y)
-        if y.dim() == 0:  # one example and its label, not a batch (a DataLoader with batch_size=None): a batch of one
-            x, y = x.unsqueeze(batch_dim), y.unsqueeze(0)
+    for index, batch in enumerate(batches):
+        x, y = _read_batch(batch, label_key, labels=labels)
+        # one example and its label, not a batch (a DataLoader with batch_size=None): a batch of one
+        if y is not None and y.dim() == 0:
+            x, y = _inputs_map(x, lambda t: t.unsqueeze(batch_dim)), y.unsqueeze(0)
         if corrupt is not None:
             x = corrupt(x, index)
-        x = x.to(device)
+        x = _inputs_map(x, lambda t: t.to(device))
         if transform is not None:
             x = transform(x)
-        value = predict(model, x, samples=samples, noise=noise) if converted else model(x)
+        value = _forward(model, x, converted, samples, noise)
         members, key = _scored_output(model, value, output)
         if not converted:
             members = members.unsqueeze(0)
@@ -126,10 +138,49 @@ def _collect_members(
         if next_token and key == "logits":  # as the model's own loss: the logits at t against the label at t + 1
             members, y = _next_token(model, members, y)
         outputs.append(members.float().cpu())
-        targets.append(y.cpu())
+        if labels:
+            targets.append(y.cpu())
     if not outputs:
         raise ValueError("the test set is empty: nothing to evaluate.")
-    return torch.cat(outputs, 1), torch.cat(targets), key
+    return torch.cat(outputs, 1), torch.cat(targets) if labels else torch.empty(0), key
+
+
+def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) -> tuple[object, Tensor | None]:
+    """A batch's model inputs and its target: an ``(inputs, target)`` pair's two, or a mapping's entries other than
+    ``label_key`` (a dict of keyword inputs) and that entry. ``labels`` False (an OOD set): a mapping may have no
+    target (None). ``label_key`` None: only pairs are taken (the corruption benchmark corrupts images)."""
+    if isinstance(batch, Mapping) and label_key is not None:
+        if label_key in batch:
+            return {k: v for k, v in batch.items() if k != label_key}, torch.as_tensor(batch[label_key])
+        if not labels:
+            return dict(batch), None
+        hint = " (label_key='label')" if "label" in batch and label_key != "label" else ""
+        raise ValueError(
+            f"a mapping batch holds its target under label_key={label_key!r}, but the batch is {_described(batch)}; "
+            f"name the target's entry with label_key={hint}, or pass (inputs, target) pairs."
+        )
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        x, y = batch
+        return x, torch.as_tensor(y)
+    given = f"a tensor of shape {tuple(batch.shape)}" if isinstance(batch, Tensor) else _described(batch)
+    accepted = "an (inputs, target) pair" if label_key is None else (
+        f"an (inputs, target) pair or a mapping of the model's keyword inputs with the target under {label_key!r}"
+    )  # fmt: skip
+    raise ValueError(f"a batch must be {accepted}; got {given}.")
+
+
+def _inputs_map(x: object, f: Callable[[Tensor], Tensor]) -> object:
+    """``f`` applied to the inputs ``x``: a tensor, or a mapping batch's tensors (its other entries as they are)."""
+    if isinstance(x, Mapping):
+        return {k: f(v) if isinstance(v, Tensor) else v for k, v in x.items()}
+    return f(x)
+
+
+def _forward(model: nn.Module, x: object, converted: bool, samples: int, noise: bool | None) -> object:
+    """The model on the inputs ``x`` (a mapping: its keyword inputs): a converted model's members
+    (:func:`bayesify.predict`), a plain model's output."""
+    args, kwargs = ((), dict(x)) if isinstance(x, Mapping) else ((x,), {})
+    return predict(model, *args, samples=samples, noise=noise, **kwargs) if converted else model(*args, **kwargs)
 
 
 def _scored_output(model: nn.Module, value: object, output: object) -> tuple[Tensor, object]:
@@ -159,7 +210,9 @@ def _scored_output(model: nn.Module, value: object, output: object) -> tuple[Ten
         found = getattr(value, output, None) if isinstance(output, str) else None
     if not isinstance(found, Tensor):
         what = "is not a part of" if found is None else f"is not a tensor of predictions ({type(found).__name__}) in"
-        raise ValueError(f"output={output!r} {what} {name}'s output ({_described(value)}); pass one of: {_tensor_parts(value)}.")
+        raise ValueError(
+            f"output={output!r} {what} {name}'s output ({_described(value)}); pass one of: {_tensor_parts(value)}."
+        )
     return found, output
 
 
@@ -207,21 +260,22 @@ def _next_token(model: nn.Module, members: Tensor, labels: Tensor) -> tuple[Tens
 
 def predict_members(
     model: nn.Module,
-    batches: Iterable[tuple[Tensor, Tensor]],
+    batches: Iterable[Batch],
     *,
     samples: int = 1,
     device: torch.device | str = "cpu",
     transform: Transform | None = None,
     corrupt: Callable[[Tensor, int], Tensor] | None = None,
+    label_key: str = "labels",
 ) -> tuple[Tensor, Tensor]:
     """A classifier's member log-probabilities ``[K * M, N, C]`` (component-major) and labels ``[N]``.
 
     A one-logit binary classifier becomes two classes (see
-    :func:`~bayesify.evaluation.metrics.member_log_probs_from_logits`). Other outputs:
+    :func:`~bayesify.evaluation.metrics.member_log_probs_from_logits`). Other outputs, and the batches taken:
     :func:`collect_members`.
     """
     members, labels = collect_members(
-        model, batches, samples=samples, device=device, transform=transform, corrupt=corrupt
+        model, batches, samples=samples, device=device, transform=transform, corrupt=corrupt, label_key=label_key
     )
     log_probs = member_log_probs_from_logits(members)
     return log_probs, as_class_labels(labels, log_probs.shape[-1])
@@ -317,6 +371,7 @@ def evaluate(
     ood: Dataset | DataLoader | None = None,
     output: object = None,
     ignore_index: int | None = None,
+    label_key: str = "labels",
 ) -> dict[str, object]:
     """The paper's metrics of ``model`` on ``data``, for its task, and OOD detection against ``ood``.
 
@@ -332,15 +387,23 @@ def evaluate(
     position on (labels as its ``labels=`` takes them: the input ids).
 
     Args:
+        data: a ``Dataset`` (batched by ``batch_size``) or a ``DataLoader`` of ``(inputs, target)`` pairs, or of
+            mappings such as a Hugging Face data set's ``{"input_ids", "attention_mask", "labels"}`` (what
+            ``transformers.Trainer`` takes): the ``label_key`` entry is the target and the others go to the model
+            as keyword arguments (``model(**inputs)``, so an attention mask is honoured), their tensors moved to
+            ``device``. A 0-d target marks one example, given to the model as a batch of one. Any other batch is
+            refused in one line naming it.
         task: what the output means (default: the converted model's, see :func:`model_task`).
-        ood: an out-of-distribution set (its targets are ignored): adds ``ood``, the AUROC, AUPR and
-            FPR@95 of each uncertainty score (max probability, entropy, mutual information; for
-            regression the total and epistemic variances) separating it from ``data``, scored from
-            the sampled predictive (:func:`ood_detection`), and ``ood_scoring``, how.
+        ood: an out-of-distribution set (its targets are ignored; its mappings need no ``label_key`` entry):
+            adds ``ood``, the AUROC, AUPR and FPR@95 of each uncertainty score (max probability, entropy, mutual
+            information; for regression the total and epistemic variances) separating it from ``data``, scored
+            from the sampled predictive (:func:`ood_detection`), and ``ood_scoring``, how.
         output: the part of a structured output to score: a dict key (``"aux"``), a tuple index or an
             attribute name; needed where no part is the primary one (a one-line error names the parts).
         ignore_index: a class label that marks targets to leave out of every metric (255 in segmentation masks,
             -100 in Hugging Face labels); without it such a label is refused, naming this option.
+        label_key: the target's entry in a mapping batch (``"label"`` in a data set not yet collated by
+            transformers).
 
     Returns:
         The metrics, plus ``components``, ``samples`` and ``task`` (with ``output``, the part scored, for a
@@ -357,16 +420,19 @@ def evaluate(
         torch.manual_seed(0)  # the same noise draws on every evaluation of the same weights
         with evaluation_mode(model), torch.no_grad():
             outputs, targets, key = _collect_members(
-                model, _loader(data, batch_size), samples, device, transform, None, None, output, task=task
-            )
+                model, _loader(data, batch_size), samples, device, transform, None, None, output, task=task,
+                label_key=label_key,
+            )  # fmt: skip
         scored = leaf_task(task, key, model)
         detection = None
         if ood is not None:
             detection = ood_detection(
                 model, scored, _loader(data, batch_size), _loader(ood, batch_size), samples=samples, device=device,
-                transform=transform, outputs=outputs, output=key,
+                transform=transform, outputs=outputs, output=key, label_key=label_key,
             )  # fmt: skip
-    results = task_metrics(scored, outputs, targets, components=k, bins=bins, members=members, ignore_index=ignore_index)
+    results = task_metrics(
+        scored, outputs, targets, components=k, bins=bins, members=members, ignore_index=ignore_index
+    )
     results.update(components=k, samples=samples if is_converted(model) else 1, task=str(scored))
     if key is not None:
         results["output"] = key
@@ -385,14 +451,15 @@ posterior means (``samples=1``): the epistemic scores need the posterior's sprea
 def ood_detection(
     model: nn.Module,
     task: Task,
-    data: Iterable[tuple[Tensor, Tensor]],
-    ood: Iterable[tuple[Tensor, Tensor]],
+    data: Iterable[Batch],
+    ood: Iterable[Batch],
     *,
     samples: int = 1,
     device: torch.device | str = "cpu",
     transform: Transform | None = None,
     outputs: Tensor | None = None,
     output: object = None,
+    label_key: str = "labels",
 ) -> tuple[dict[str, dict[str, float]], dict[str, object]]:
     """How well each uncertainty score tells ``ood`` from ``data``, scored from the sampled predictive.
 
@@ -405,9 +472,10 @@ def ood_detection(
     Args:
         model: a converted or a plain model.
         task: what its output means.
-        data: the in-distribution batches; ``ood``: the out-of-distribution ones (targets ignored).
+        data: the in-distribution batches; ``ood``: the out-of-distribution ones (targets ignored: a mapping's
+            ``label_key`` entry is left out, and a mapping without one passes every entry to the model).
         samples: M of the evaluation.
-        device, transform: as for :func:`collect_members`.
+        device, transform, label_key: as for :func:`collect_members`.
         outputs: ``data``'s members as the evaluation collected them with ``samples``: reused when
             they are sampled already (``samples > 1``) or the model is plain.
         output: the part of a structured output to score (see :func:`evaluate`); ``task`` may be the
@@ -423,9 +491,11 @@ def ood_detection(
     k = num_components(model)
     m = (samples if samples > 1 else OOD_SAMPLES) if converted else 1
 
-    def members(batches: Iterable[tuple[Tensor, Tensor]]) -> tuple[Tensor, object]:
+    def members(batches: Iterable[Batch]) -> tuple[Tensor, object]:
         with evaluation_mode(model):  # (the targets are not scored: a language model's are not shifted)
-            found, _, key = _collect_members(model, batches, m, device, transform, None, converted, output, labels=False)
+            found, _, key = _collect_members(
+                model, batches, m, device, transform, None, converted, output, labels=False, label_key=label_key
+            )
         return found, key
 
     reuse = outputs is not None and (not converted or samples > 1)
@@ -529,8 +599,11 @@ def compare_corruptions(
             streams = [start.copy() for _ in models]
             outputs: list[list[Tensor]] = [[] for _ in models]
             labels = []
-            for index, (x, y) in enumerate(batches):
-                x = corrupt_images(x, name, severity, seed=corruption_seed(seed, name, severity, index), min_size=min_size)
+            for index, batch in enumerate(batches):
+                x, y = _image_batch(batch)
+                x = corrupt_images(
+                    x, name, severity, seed=corruption_seed(seed, name, severity, index), min_size=min_size
+                )
                 x = _prepare(x, device, transform)
                 for (model, samples), stream, out in zip(models, streams, outputs):
                     with stream.drawing():
@@ -548,6 +621,17 @@ def compare_corruptions(
 
 
 _CORRUPTION_METRICS = ("nll", "accuracy", "ece")
+
+
+def _image_batch(batch: object) -> tuple[Tensor, Tensor]:
+    """An ``(images, labels)`` batch of the corruption benchmark; a mapping batch is refused naming the way round."""
+    if not isinstance(batch, Mapping):
+        return _read_batch(batch, None)
+    raise ValueError(
+        f"the corruption benchmark corrupts (images, labels) batches; got {_described(batch)}. For a model that "
+        "takes keyword inputs, corrupt the images with bayesify.evaluation.corrupt_images and score them with "
+        "evaluate(), which takes mapping batches."
+    )
 
 
 def _check_ignore_index(ignore_index: object) -> None:
