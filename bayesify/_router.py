@@ -43,7 +43,7 @@ from bayesify.config import ModelOptions
 from bayesify.mixture import split_members, tile
 from bayesify.options import Route, Sampling
 from bayesify.predictive.outputs import check_rows, is_packed, primary_leaf, reduce_output, rows_axis
-from bayesify.predictive.tasks import Task
+from bayesify.predictive.tasks import Members, Task
 from bayesify.variational.draws import Block, Draw, PassDraws, saved_tensors_hooked
 
 __all__ = ["ForwardState", "RouteSpec", "Router", "is_example_list", "member_rows"]
@@ -271,11 +271,12 @@ class Router:
 
     # ---- the root's forward pass (its model state's hooks call these) -------------------------
 
-    def begin(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def begin(self, module: nn.Module, args: tuple, kwargs: dict, task: Task | None = None) -> tuple[tuple, dict]:
+        """Route the root's forward pass on ``args`` / ``kwargs`` (tiled for a mixture); ``task``: the model's."""
         if not torch.compiler.is_compiling() and (self.root_ref is None or self.root_ref() is not module):
             self.root_ref = weakref.ref(module)
         spec = self.resolve(module.training)
-        if args and is_example_list(args[0]):
+        if args and is_example_list(args[0], spec.task or task, self.options.batch_dim):
             return self._begin_list(module, spec, args, kwargs)
         leaves, tree = tree_flatten((args, kwargs), is_leaf=is_packed)
         first = next((t for t in leaves if isinstance(t, (Tensor, PackedSequence))), None)
@@ -470,9 +471,19 @@ def member_rows(components: int, rows_each: int, device: torch.device) -> Tensor
     return torch.arange(components, device=device)[:, None].expand(components, rows_each).reshape(-1)
 
 
-def is_example_list(value: object) -> bool:
-    # a plain list (or tuple) of tensors, one per example; not a PackedSequence or another named tuple
-    return type(value) in (list, tuple) and len(value) > 0 and all(isinstance(v, Tensor) for v in value)
+def is_example_list(value: object, task: Task | None = None, batch_axis: int | None = 0) -> bool:
+    """Whether ``value`` is a list of examples (torchvision detection's images, each of its own size): a plain list
+    (or tuple; not a PackedSequence or another named tuple) of tensors given to a model whose members are returned as
+    they are (``task`` :class:`Members`: a detector), or whose tensors do not share one size at the batch axis. Tensors
+    that do (views or parts of one batch, ``[x_img [B, 16], x_meta [B, 8]]``) are a container of batches, routed as a
+    dict's values are."""
+    if type(value) not in (list, tuple) or not value or not all(isinstance(v, Tensor) for v in value):
+        return False
+    if isinstance(task, Members) or batch_axis is None:
+        return True
+    return len({v.shape[batch_axis] if v.dim() > batch_axis else None for v in value} - {None}) != 1 or any(
+        v.dim() <= batch_axis for v in value
+    )
 
 
 def _tile_packed(packed: PackedSequence, tiles: int) -> PackedSequence:

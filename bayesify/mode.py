@@ -95,11 +95,12 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
         >>> members = bayesify.predict(model.eval(), x, samples=4)     # [K*4, B, classes]
         >>> probs = members.softmax(-1).mean(0)
     """
-    router = _one_model(model, "bayesify.predict").router
+    state = _one_model(model, "bayesify.predict")
+    router = state.router
     if noise is None:  # decided where every pass's is (what an enclosing mode() said, else the defaults)
         noise = router.default_noise(_training(model), samples)
     with torch.no_grad():
-        if args and is_example_list(args[0]):
+        if args and is_example_list(args[0], router.resolve(_training(model)).task or state.task, state.options.batch_dim):
             outputs = []
             for k in range(router.components):
                 for _ in range(samples):

@@ -141,7 +141,7 @@ class ModelState:
                 "(x,)) or torch.onnx.export(model, (x,), dynamo=True), or trace one member as a plain network: "
                 "bayesify.merge(model, component=k)."
             )
-        args, kwargs = self.router.begin(root, args, kwargs)
+        args, kwargs = self.router.begin(root, args, kwargs, self.task)
         state = self.router.state
         # a pass whose members are tiled reads each output by its name (a Hugging Face model asked for a tuple is
         # called for its ModelOutput), then hands back what the call asked for (end)

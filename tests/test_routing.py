@@ -527,3 +527,39 @@ def test_mode_and_predict_refuse_a_module_holding_two_converted_models_side_by_s
         bayesify.predict(two, torch.randn(2, 5))
     with bayesify.mode(two.a, route="tile"):  # each on its own
         assert two.a(torch.randn(2, 5)).shape == (6, 4)
+
+
+class _Views(nn.Module):
+    """Takes its inputs as a list: ``[x_img [B, 6], x_meta [B, 3]]`` (parts of one batch, not one tensor per example)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 8), nn.Linear(3, 8), nn.Linear(16, 4)
+
+    def forward(self, views: list) -> torch.Tensor:
+        return self.head(torch.cat([self.a(views[0]).relu(), self.b(views[1]).relu()], -1))
+
+
+def test_a_list_of_batched_inputs_is_routed_as_a_batch_not_as_examples() -> None:
+    # tensors sharing the batch's size are parts of one batch: training spreads its rows over the K components (it
+    # sent the whole batch through one, as for a detector's list of images) and evaluation mixes the members (it
+    # refused: "takes a list of examples"); a list of tensors of different sizes is still one of examples
+    torch.manual_seed(0)
+    model = bayesify.convert(_Views(), components=4, init_std=0.3, task="classification")
+    views = [torch.randn(8, 6), torch.randn(8, 3)]
+    model.train()
+    model(views).sum().backward()
+    assert bool((model.head.rank1_r.loc.grad.abs().sum(1) > 0).all()), "every component trains on its rows"
+    model.eval()
+    with torch.no_grad():
+        mixture = model(views)
+        members = torch.stack([_member(model, k, views) for k in range(4)])
+    torch.testing.assert_close(mixture, members.softmax(-1).mean(0).log())
+    assert not bayesify._router.is_example_list([torch.randn(8, 6), torch.randn(8, 3)])
+    assert bayesify._router.is_example_list([torch.randn(3, 5, 7), torch.randn(3, 6, 7)], bayesify.predictive.Members())
+    assert bayesify._router.is_example_list([torch.randn(5, 3), torch.randn(7, 3)])  # one of each example's size
+
+
+def _member(model: nn.Module, k: int, *args: object) -> torch.Tensor:
+    with bayesify.mode(model, component=k, noise=False):
+        return model(*args)
