@@ -19,6 +19,7 @@ output to the task's reduction (:meth:`Router.end`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -148,6 +149,9 @@ class ModelState:
         self.as_tuple = False
         if state.spec.route in (Route.MIXTURE, Route.TILE):
             kwargs, self.as_tuple = named_outputs(root, kwargs)
+            if not root.training and "batch statistics" not in self.warned and not torch.compiler.is_compiling():
+                self.warned.add("batch statistics")  # (looked for once per model)
+                _warn_batch_statistics(root)
         state.draws = self.draws.begin(
             state.spec.noise, state.rows, state.blocks, state.block_components, state.fixed_components, state.signature
         )
@@ -160,6 +164,26 @@ class ModelState:
             self.draws.end(state.draws)
         output = self.router.end(root, output, self.current_task(root))
         return output.to_tuple() if self.as_tuple and hasattr(output, "to_tuple") else output
+
+
+def _warn_batch_statistics(root: nn.Module) -> None:
+    """Warn where a tiled evaluation pass mixes its members: a batch norm that normalises by the batch's own
+    statistics in evaluation (``track_running_stats=False``, or left in training mode) pools the K x B rows of every
+    member, so member k is not ``mode(component=k)``'s and the predictive not the members' exact mixture."""
+    pooled = [
+        name or type(root).__name__ for name, m in root.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)
+    ]  # fmt: skip
+    if pooled:
+        warnings.warn(
+            f"the batch norm layers {', '.join(map(repr, pooled[:3]))}{' ...' if len(pooled) > 3 else ''} of "
+            f"{type(root).__name__} normalise by the statistics of the evaluation batch, which holds every member's "
+            "rows: their statistics are pooled across the members, so the "
+            "predictive is not their exact mixture. Give them running statistics (track_running_stats=True, trained) "
+            "or a per-example norm (GroupNorm, LayerNorm), or evaluate one member at a time: bayesify.mode(model, "
+            "component=k).",
+            stacklevel=2,
+        )
 
 
 def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

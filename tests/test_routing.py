@@ -563,3 +563,23 @@ def test_a_list_of_batched_inputs_is_routed_as_a_batch_not_as_examples() -> None
 def _member(model: nn.Module, k: int, *args: object) -> torch.Tensor:
     with bayesify.mode(model, component=k, noise=False):
         return model(*args)
+
+
+def test_evaluation_warns_once_where_a_batch_norm_pools_the_members_statistics() -> None:
+    # a batch norm without running statistics normalises the tiled evaluation batch, every member's rows together:
+    # the members are not mode(component=k)'s and the predictive not their exact mixture, so it is said, once
+    def model(track: bool) -> nn.Module:
+        net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8, track_running_stats=track), nn.ReLU(), nn.Linear(8, 3))
+        return bayesify.convert(net, components=3, init_std=0.3, task="classification").eval()
+
+    x = torch.randn(6, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(True)(x)  # running statistics: each row alone, nothing said
+    pooled = model(False)
+    with pytest.warns(UserWarning, match=r"batch norm layers '1' of Sequential normalise by the statistics"):
+        pooled(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pooled(x)  # (once per model)
+        pooled.train()(x)  # training normalises its batch as the reference does
