@@ -30,6 +30,7 @@ class Summary:
     skipped: dict[str, str] = field(default_factory=dict)  # weight-bearing modules left as they were
     bypassed: dict[str, str] = field(default_factory=dict)  # converted, but not (fully) in the compute path
     shared: dict[str, str] = field(default_factory=dict)  # ran on a batch-independent input: one member for all rows
+    changed: dict[str, str] = field(default_factory=dict)  # a parameter of another shape since convert: it raises
     original_parameters: int = 0
     added_parameters: int = 0
     probed: bool = False
@@ -56,6 +57,9 @@ class Summary:
         if self.skipped:
             lines.append("not converted:")
             lines += [f"  {name or '<root>'}: {why}" for name, why in self.skipped.items()]
+        if self.changed:
+            lines.append("converted, then changed (its forward raises):")
+            lines += [f"  {name or '<root>'}: {why}" for name, why in self.changed.items()]
         if self.bypassed:
             lines.append("converted but not in the compute path:")
             lines += [f"  {name or '<root>'}: {why}" for name, why in self.bypassed.items()]
@@ -64,6 +68,8 @@ class Summary:
             lines += [f"  {name or '<root>'}: {why}" for name, why in self.shared.items()]
         if self.probed and not self.bypassed and not self.shared:
             lines.append("every converted layer ran in the example forward pass")
+        elif self.changed and not self.probed:
+            lines.append("(no example forward pass: it would raise for the layers changed after conversion)")
         elif not self.probed and not self.bypassed:
             lines.append("(pass an example input to summary() to check that every converted layer is in the compute path)")
         return "\n".join(lines)
@@ -105,7 +111,10 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
         used = layer.rank1_state.bypassed_by
         if used:
             report.bypassed[name] = f"weight used directly by {', '.join(sorted(used))} (not intercepted)"
-    if example_args or example_kwargs:
+        changed = layer.rank1_changed()  # the words of the error its call raises
+        if changed is not None:
+            report.changed[name] = changed
+    if (example_args or example_kwargs) and not report.changed:
         report.probed = True
         _probe(model, report, example_args, example_kwargs)
     return report

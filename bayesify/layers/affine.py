@@ -186,6 +186,7 @@ class Rank1Affine(Rank1Layer):
     ) -> Tensor:
         batch_axis, channel_axis = self.rank1_axes(x)
         if x.dim() == 0 or x.shape[channel_axis] != self.rank1_s.features:
+            self.rank1_check()  # a weight of another shape since conversion, whose new width the input has
             if batch_axis is None:  # one unbatched example, whose own dimension the pass may have tiled as the batch
                 self.rank1_state.model.router.check_unbatched(x, channel_axis, self)
             core(x)  # a wrong input shape: let the layer's own computation raise torch's usual error

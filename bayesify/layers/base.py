@@ -24,7 +24,10 @@ example of a user's own layer):
 * :meth:`ConvertedLayer.rank1_setup` (required): create the factors with :meth:`rank1_factor` and
   the per-component bias offsets with :meth:`rank1_bias_offset`.
 * ``forward``: ask :meth:`rank1_draw` for this call's routing, sample the factors, and compute
-  with :func:`bayesify.layers.rank1_affine` (the one rank-1 op).
+  with :func:`bayesify.layers.rank1_affine` (the one rank-1 op). :meth:`rank1_draw` first refuses, in one
+  line, a layer one of whose own parameters has another shape than at conversion (:meth:`rank1_check`: a
+  weight replaced later, as ``resize_token_embeddings`` does); a family that asks for no draw calls
+  :meth:`rank1_check` itself.
 * optional, with defaults: :meth:`rank1_batch_axis`, :meth:`rank1_input_axes`,
   :meth:`rank1_output_axes` (where the batch lies when the layer is itself the model),
   :meth:`rank1_kl_terms` (default: the factors' KL), :attr:`rank1_intercepted` with
@@ -98,6 +101,9 @@ class LayerState:
     unset: bool = False  # converted on the meta device: its rank-1 values are not made yet
     load_hook: int | None = None  # id of the load_state_dict pre-hook in the layer's hook dict (revert removes it)
     packed: dict[str, tuple[Any, int]] = field(default_factory=dict)  # bias offsets drawn with a group: (group, slot)
+    # (module path, name, shape) of each of its own parameters when its rank1_* ones were made for them (a tuple:
+    # a state unpickled from before it was kept has none, and checks nothing)
+    shapes: tuple[tuple[tuple[str, ...], str, tuple[int, ...]], ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -164,6 +170,27 @@ def _keep_rank1_state_if_absent(
         state_dict[prefix + key] = value
 
 
+def _own_shapes(layer: nn.Module) -> tuple[tuple[tuple[str, ...], str, tuple[int, ...]], ...]:
+    """``(module path, name, shape)`` of every parameter of ``layer`` but bayesify's own (``rank1_*``): what its
+    ``rank1_*`` parameters are made for, as :meth:`ConvertedLayer.rank1_changed` compares them."""
+    shapes = []
+    for dotted, param in layer.named_parameters(remove_duplicate=False):
+        *path, name = dotted.split(".")
+        if not dotted.startswith("rank1_"):
+            shapes.append((tuple(path), name, tuple(param.shape)))
+    return tuple(shapes)
+
+
+def _changed_message(name: str, now: tuple[int, ...], then: tuple[int, ...]) -> str:
+    """The one line (after the layer's name) for a parameter whose shape changed since conversion."""
+    return (
+        f"its {name} is {list(now)} now, but its rank1_* parameters were made for {list(then)} by bayesify.convert "
+        "(they do not follow a parameter replaced later, e.g. by resize_token_embeddings or pruning): make the "
+        "change before bayesify.convert, or call bayesify.revert(model) and then bayesify.convert(model, ...) again (every "
+        "layer's rank-1 values start anew)."
+    )
+
+
 def _meaning(options: LayerOptions) -> dict[str, str]:
     """The options that say what a layer's saved rank-1 values mean (a location near 1 or 0; a Normal or a Cauchy
     scale)."""
@@ -200,6 +227,7 @@ class ConvertedLayer(nn.Module):
         except Exception:
             module.revert()
             raise
+        state.shapes = _own_shapes(module)
         # made on the meta device (a large model built without memory): no values yet, until a checkpoint with them
         # loads or one without them does (which then puts in their initial values: _keep_rank1_state_if_absent)
         state.unset = any(t.is_meta for t in module.rank1_state_dict().values())
@@ -272,8 +300,33 @@ class ConvertedLayer(nn.Module):
 
     def rank1_draw(self, n: int, device: torch.device) -> Draw:
         """The routing of a call on ``n`` rows: each row's component (shared by every layer of the
-        model within one forward pass), whether to sample, and the pass's draws to take the values from."""
+        model within one forward pass), whether to sample, and the pass's draws to take the values from.
+        Every family asks it before its maths, so a parameter replaced since conversion is refused here
+        (:meth:`rank1_check`)."""
+        self.rank1_check()
         return self.rank1_state.model.router.route(n, device, self)
+
+    def rank1_changed(self) -> str | None:
+        """None, or what is wrong with this layer since its ``rank1_*`` parameters were made: one of its own
+        parameters replaced by one of another shape (``resize_token_embeddings``, pruning, ``layer.weight =
+        nn.Parameter(...)``, a ``.data`` write), said in one line with the fix (what :func:`bayesify.summary` lists
+        and :meth:`rank1_check` raises). A shape comparison per parameter: nothing dispatched, and constant in a
+        traced graph (whose parameters have static shapes)."""
+        for path, name, shape in self.rank1_state.shapes:
+            owner: nn.Module = self
+            for part in path:
+                owner = owner._modules[part]  # type: ignore[assignment]
+            param = owner._parameters.get(name)
+            if param is not None and param.shape != shape:
+                return _changed_message(".".join((*path, name)), tuple(param.shape), shape)
+        return None
+
+    def rank1_check(self) -> None:
+        """Raise a one-line ``RuntimeError`` naming the layer if :meth:`rank1_changed` finds anything: the factors
+        of another shape would fail deep inside the rank-1 maths (or, where they broadcast, compute nonsense)."""
+        changed = self.rank1_changed()
+        if changed is not None:
+            raise RuntimeError(f"{self.rank1_state.model.router.layer_name(self)}: {changed}")
 
     def rank1_factor(self, features: int, options: LayerOptions | None = None) -> Rank1Factor:
         """A new factor of ``features`` entries (the model's K components), on this layer's device and dtype."""

@@ -73,6 +73,7 @@ class GaussianEmbedding(ConvertedLayer):
 
     def rank1_kl_terms(self) -> Iterator[KLTerm]:
         """KL(N(w, sigma^2) || N(0, prior_std^2)) of every entry (the padding row excluded)."""
+        self.rank1_check()  # a table resized since conversion: rank1_rho is not of its shape
         weight, rho = self._parameters["weight"], self.rank1_rho
         keep = self._rank1_noisy_rows()
         if keep is not None:
@@ -85,6 +86,7 @@ class GaussianEmbedding(ConvertedLayer):
         return {}
 
     def forward(self, input: Tensor, *args: object, **kwargs: object) -> Tensor:
+        self.rank1_check()  # (it asks for no draw, where the other families are checked)
         base = type(self).__rank1_base__
         if not self.rank1_state.model.router.noise_for(self.training):
             return base.forward(self, input, *args, **kwargs)
