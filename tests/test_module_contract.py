@@ -474,3 +474,24 @@ def test_a_checkpoint_of_another_perturbation_or_posterior_is_refused_and_leaves
             assert torch.equal(model.state_dict()[k], v), k
     assert not model.load_state_dict(saved["multiplicative"]).missing_keys  # the same options: loads
     assert not model.load_state_dict(net().state_dict()).missing_keys  # a plain checkpoint: loads, as always
+
+
+def test_reset_parameters_reinitialises_the_layers_factors_and_bias_offsets_too() -> None:
+    # nn.Linear.reset_parameters draws the weight and bias anew: on a converted layer it puts its rank-1 values at
+    # their initialisation too (a head reset for a new task kept its trained members), and model.apply(reset) gives a
+    # model whose members are identical and whose KL is 0, as a fresh conversion's (the bias offsets stayed)
+    model = _resnet()
+    fresh = bayesify.convert(timm.create_model("resnet18", num_classes=5), components=K)
+    model.fc.reset_parameters()
+    for name, value in _own_rank1(model.fc).items():
+        torch.testing.assert_close(value, _own_rank1(fresh.fc)[name], msg=name)
+    assert any(not torch.equal(p, q) for p, q in zip(_own_rank1(model.layer4).values(), _own_rank1(fresh.layer4).values()))
+    model.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    assert float(bayesify.kl_divergence(model)) == pytest.approx(float(bayesify.kl_divergence(fresh)), abs=1e-4)
+    x, _ = _batch(4)
+    with torch.no_grad(), bayesify.mode(model.eval(), route="tile", noise=False):
+        members = model(x).view(K, 4, -1)
+    torch.testing.assert_close(members, members[:1].expand_as(members))
+    transformers = pytest.importorskip("transformers")
+    gpt2 = bayesify.convert(transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20)))
+    assert not hasattr(gpt2.h[0].attn.c_attn, "reset_parameters")  # (a Conv1D has none: nor has its converted layer)

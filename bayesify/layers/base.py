@@ -392,6 +392,22 @@ class ConvertedLayer(nn.Module):
                 entries.update(child.state_dict(prefix=f"{name}.", keep_vars=True))
         return entries
 
+    @property
+    def reset_parameters(self) -> Callable[[], None]:
+        """The original layer's ``reset_parameters`` (its weight and bias drawn anew), then :meth:`rank1_reset`: a
+        layer re-initialised re-initialises all it owns, its factors and bias offsets too, as a fresh conversion
+        has them (a head reset for a new task kept its trained members). Absent where the original has none."""
+        base = getattr(type(self).__rank1_base__, "reset_parameters", None)
+        if base is None:
+            raise AttributeError(f"{type(self).__rank1_base__.__name__} has no reset_parameters")
+
+        def reset() -> None:
+            base(self)
+            with torch.no_grad():
+                self.rank1_reset()
+
+        return reset
+
     def rank1_reset(self) -> None:
         """Put this layer's rank-1 values at their initialisation (the factors' posterior at conversion, the bias
         offsets at zero)."""
