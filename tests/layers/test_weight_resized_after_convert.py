@@ -159,3 +159,13 @@ def test_the_check_dispatches_nothing_and_compiles_away() -> None:
         RuntimeError, match=_ERROR.format(layer="Rank1Linear '2'", param="weight", now="5, 8", then="3, 8")
     ):
         compiled(x)
+
+
+def test_merge_refuses_a_layer_changed_after_convert_in_the_same_line() -> None:
+    # merge folds each member's factors into the weights: with a weight of another shape it failed inside the fold
+    model = _mlp()
+    model[2].weight = nn.Parameter(torch.randn(5, 8))
+    with pytest.raises(
+        RuntimeError, match=_ERROR.format(layer="Rank1Linear '2'", param="weight", now="5, 8", then="3, 8")
+    ):
+        bayesify.merge(model, component=0)
