@@ -260,6 +260,12 @@ class Regression(Task):
 
     def log_likelihood(self, output: Tensor, target: Tensor) -> Tensor:
         """A unit-variance Gaussian: ``-(y - f(x))^2 / 2 - log(2 pi) / 2`` (training on it is training on MSE / 2)."""
+        if target.numel() != output.numel():
+            raise ValueError(
+                f"task='regression' scores an output of shape {tuple(output.shape)} against targets of its shape, but "
+                f"the targets have shape {tuple(target.shape)}"
+                + (" (class labels?): use task='classification'." if output.dim() == 2 and target.dim() == 1 else ".")
+            )
         diff = output.float() - target.float().reshape(output.shape)
         return _per_row(-0.5 * diff.square() - 0.5 * math.log(2 * math.pi))
 

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import bayesify
-from bayesify.predictive.tasks import Task, TaskName
+from bayesify.inspection import model_task
+from bayesify.predictive.tasks import Auto, Task, TaskName
 from bayesify.training.checkpoint import load_checkpoint
 from bayesify.training.config import TrainConfig
 from bayesify.training.recipes import apply_preset
@@ -52,9 +53,25 @@ def _task_option(config: TrainConfig, bundle: DataBundle) -> TaskName | Task:
     return TaskName.parse(bundle.task, "task") if config.task == TaskName.AUTO else config.task
 
 
-def run_task(config: TrainConfig, bundle: DataBundle) -> Task:
-    """What the run's model outputs: ``config.task``, or with ``"auto"`` the data's own task."""
-    return config.rank1.replace(task=_task_option(config, bundle)).resolved_task()
+def run_task(config: TrainConfig, bundle: DataBundle, model: nn.Module | None = None) -> Task:
+    """What the run's model outputs: ``config.task``; with ``"auto"``, the task ``model`` was converted with where it
+    was given one (``convert(net, task="binary")``: what its output means), else the data's own task. A task the
+    config says that is not the converted model's is refused in one line."""
+    said = config.rank1.replace(task=_task_option(config, bundle)).resolved_task()
+    if model is None or not bayesify.is_converted(model):
+        return said
+    converted = model_task(model)
+    if isinstance(converted, Auto):
+        return said
+    if config.task == TaskName.AUTO:
+        return converted
+    if said != converted:
+        raise ValueError(
+            f"the config says task={config.task.value if isinstance(config.task, TaskName) else config.task!r}, but "
+            f"the model was converted with task {converted}; say one task (leave the config's 'auto' to train the "
+            "model's)."
+        )
+    return said
 
 
 def build_model(config: TrainConfig, bundle: DataBundle) -> nn.Module:

@@ -121,7 +121,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, model: nn.Module, data: DataBundle) -> None:
         config.validate()
         self.config, self.model, self.data = config, model, data
-        self.task = run_task(config, data)
+        self.task = run_task(config, data, model)
         self.callbacks: dict[str, list[Callable[["Trainer"], None]]] = {}
         self.step = self.epoch = 0
         self.last: dict[str, float] = {}

@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+import bayesify
 from bayesify.zoo.data import DataBundle
 from bayesify.training import TrainConfig, Trainer, build_model, load_checkpoint
 
@@ -149,3 +150,29 @@ def test_an_unconverted_model_trains_as_it_is_with_a_warning_unless_said(tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         Trainer(said, plain(), bundle).run()
+
+
+def test_the_trainer_trains_the_task_the_model_was_converted_with(tmp_path) -> None:
+    # a model converted with task="binary" (one logit) and a data bundle left at its default task: the trainer took the
+    # bundle's "classification" and failed deep inside cross_entropy; it trains the model's task, and a config that
+    # says another one is refused in one line; regression on class labels is refused naming task='classification'
+    from bayesify.zoo.data import InMemoryDataset
+
+    torch.manual_seed(0)
+    x = torch.randn(120, 5)
+    y = (x[:, 0] > 0).float()
+    bundle = DataBundle("toy", InMemoryDataset(x[:100], y[:100]), InMemoryDataset(x[100:], y[100:]), 2, (5,), "tabular")
+
+    def binary() -> torch.nn.Module:
+        net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+        return bayesify.convert(net, task="binary")
+
+    config = TrainConfig(epochs=1, out=str(tmp_path / "a"), progress=False, data="toy")
+    trainer = Trainer(config, binary(), bundle)
+    assert str(trainer.task) == "binary"
+    trainer.run()
+    said = TrainConfig(epochs=1, out=str(tmp_path / "b"), progress=False, data="toy", task="regression")
+    with pytest.raises(ValueError, match=r"config says task='regression', but the model was converted with task binary"):
+        Trainer(said, binary(), bundle)
+    with pytest.raises(ValueError, match=r"targets have shape \(4,\) \(class labels\?\): use task='classification'"):
+        bayesify.predictive.Regression().log_likelihood(torch.randn(4, 10), torch.tensor([0, 1, 2, 3]))
