@@ -139,7 +139,7 @@ def evaluate_run(
         severities: corruption severities, from 1 to 5.
         samples: M, posterior samples per component (None: each run's ``eval_samples``).
         batch_size: test examples per forward pass.
-        max_examples: evaluate the first N test examples only.
+        max_examples: evaluate the first N test examples only (and the first N of an OOD data set).
         min_size: images smaller than this are corrupted at an upsampled size.
         device: auto, cpu, cuda, cuda:N or xla.
         data_dir: where the data set is, if not where it was at training.
@@ -175,7 +175,7 @@ def evaluate_run(
         test = Subset(test, range(min(max_examples, len(test))))
     counts = [_samples(r, samples) for r in runs]
 
-    ood_set, ood_description = (None, None) if ood is None else _ood_set(ood, run, test, data_dir)
+    ood_set, ood_description = (None, None) if ood is None else _ood_set(ood, run, test, data_dir, max_examples)
     clean = [_evaluate_clean(r, test, m, batch_size, device, ood_set) for r, m in zip(runs, counts)]
     corrupted: list[dict[str, Any] | None] = [None] * len(runs)
     if names is not None:
@@ -301,9 +301,12 @@ def _shown_config(run: LoadedRun) -> dict[str, Any]:
     return config
 
 
-def _ood_set(spec: str, run: LoadedRun, test: Dataset, data_dir: str | os.PathLike | None) -> tuple[Dataset, str]:
-    """The out-of-distribution set ``spec`` names (see :func:`evaluate_run`), shaped as the test inputs,
-    and what it is, in words (for the report)."""
+def _ood_set(
+    spec: str, run: LoadedRun, test: Dataset, data_dir: str | os.PathLike | None, max_examples: int | None = None
+) -> tuple[Dataset, str]:
+    """The out-of-distribution set ``spec`` names (see :func:`evaluate_run`), shaped as the test inputs (a data
+    set's first ``max_examples`` only, as the test set: an OOD set ten times the test set's size inflates the AUPR
+    with OOD as positive), and what it is, in words (for the report)."""
 
     inputs = torch.stack([test[i][0] for i in range(len(test))])
     labels = torch.zeros(len(inputs), dtype=torch.long)  # OOD targets are never read
@@ -337,7 +340,11 @@ def _ood_set(spec: str, run: LoadedRun, test: Dataset, data_dir: str | os.PathLi
             f"ood={spec!r} has inputs of shape {tuple(other.input_shape)} but {run.config.data} has "
             f"{tuple(run.data.input_shape)}; pick a data set of the same shape, a corruption or 'noise'."
         )
-    return other.test, f"the test split of {name} ({len(other.test)} inputs, each {shape})"
+    ood_test = other.test
+    if max_examples is not None and len(ood_test) > max_examples:
+        ood_test = Subset(ood_test, range(max_examples))
+        return ood_test, f"the first {max_examples} inputs of the test split of {name} (each {shape})"
+    return ood_test, f"the test split of {name} ({len(ood_test)} inputs, each {shape})"
 
 
 def _check_settings(*, samples: int | None, batch_size: int, max_examples: int | None, min_size: int) -> None:

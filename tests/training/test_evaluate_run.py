@@ -127,3 +127,10 @@ def test_the_configuration_shows_the_prior_std_the_depth_rule_chose(runs):
     report = Path(evaluate_run(runs["rank1"], max_examples=8)["files"]["report"]).read_text()
     assert f"| prior_std | {prior_std:.3g} (unset: min(0.3, 0.4 / sqrt(L)) for L = {depth} rank-1 layers) |" in report
     assert f"| init_std | {prior_std:.3g} (unset: the prior's scale, so the posterior starts at the prior) |" in report
+
+
+def test_max_examples_caps_an_ood_data_set_as_it_caps_the_test_set(runs):
+    # --max-examples 1000 --ood mnist scored 1,000 test images against all 10,000 OOD ones (an AUPR with OOD as
+    # positive inflated by the imbalance, and 4 minutes): the OOD data set is cut to the same first N
+    results = evaluate_run(runs["rank1"], ood="digits", samples=1, max_examples=24)
+    assert results["settings"]["ood_set"] == "the first 24 inputs of the test split of digits (each 1 x 8 x 8)"
