@@ -67,7 +67,7 @@ def run_task(config: TrainConfig, bundle: DataBundle, model: nn.Module | None = 
         return converted
     if said != converted:
         raise ValueError(
-            f"the config says task={config.task.value if isinstance(config.task, TaskName) else config.task!r}, but "
+            f"the config says task={str(getattr(config.task, 'value', config.task))!r}, but "
             f"the model was converted with task {converted}; say one task (leave the config's 'auto' to train the "
             "model's)."
         )
