@@ -142,6 +142,11 @@ class Router:
             spec = replace(spec, noise=self.default_noise(training, spec.samples))
         return spec
 
+    def takes_examples(self, args: tuple, spec: RouteSpec, task: Task | None) -> bool:
+        """Whether the call's first argument is a list of examples (:func:`is_example_list`) under ``spec`` (a task
+        it says wins) and the model's ``task``."""
+        return bool(args) and is_example_list(args[0], spec.task or task, self.options.batch_dim)
+
     def default_noise(self, training: bool, samples: int = 1) -> bool:
         """Whether to sample the factors where no ``mode()`` says: what an enclosing ``mode()`` said; else always in
         training, and in evaluation with several samples per component (M samples of one mean would be M copies),
@@ -276,7 +281,7 @@ class Router:
         if not torch.compiler.is_compiling() and (self.root_ref is None or self.root_ref() is not module):
             self.root_ref = weakref.ref(module)
         spec = self.resolve(module.training)
-        if args and is_example_list(args[0], spec.task or task, self.options.batch_dim):
+        if self.takes_examples(args, spec, task):
             return self._begin_list(module, spec, args, kwargs)
         leaves, tree = tree_flatten((args, kwargs), is_leaf=is_packed)
         first = next((t for t in leaves if isinstance(t, (Tensor, PackedSequence))), None)

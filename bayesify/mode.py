@@ -8,7 +8,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from bayesify._router import RouteSpec, is_example_list
+from bayesify._router import RouteSpec
 from bayesify.inspection import inside
 from bayesify.model_state import ModelState, find_root, is_root, model_state, split_output
 from bayesify.options import Route, parse_option
@@ -100,7 +100,7 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
     if noise is None:  # decided where every pass's is (what an enclosing mode() said, else the defaults)
         noise = router.default_noise(_training(model), samples)
     with torch.no_grad():
-        if args and is_example_list(args[0], router.resolve(_training(model)).task or state.task, state.options.batch_dim):
+        if router.takes_examples(args, router.resolve(_training(model)), state.task):
             outputs = []
             for k in range(router.components):
                 for _ in range(samples):

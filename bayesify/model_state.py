@@ -32,7 +32,7 @@ from bayesify import _weight_decay
 from bayesify._router import Router
 from bayesify.config import ModelOptions
 from bayesify.options import Route
-from bayesify.predictive.libraries import named_outputs, restated_task
+from bayesify.predictive.libraries import as_asked, named_outputs, restated_task
 from bayesify.predictive.tasks import Auto, Task
 from bayesify.variational import store
 from bayesify.variational.draws import ModelDraws
@@ -163,7 +163,7 @@ class ModelState:
         if state is not None and state.draws is not None:
             self.draws.end(state.draws)
         output = self.router.end(root, output, self.current_task(root))
-        return output.to_tuple() if self.as_tuple and hasattr(output, "to_tuple") else output
+        return as_asked(output) if self.as_tuple else output
 
 
 def _warn_batch_statistics(root: nn.Module) -> None:

@@ -152,6 +152,13 @@ def named_outputs(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, A
     return kwargs, False
 
 
+def as_asked(output: object) -> object:
+    """A Hugging Face model's named outputs as the tuple it returns for ``return_dict=False`` (``ModelOutput.to_tuple``:
+    the outputs that are not None, in their order), for a call :func:`named_outputs` changed."""
+    to_tuple = getattr(output, "to_tuple", None)
+    return to_tuple() if callable(to_tuple) else output
+
+
 @functools.cache
 def _takes_return_dict(cls: type) -> bool:
     """Whether ``cls.forward`` takes ``return_dict`` (by name, or in its ``**kwargs``, as transformers' decorated
