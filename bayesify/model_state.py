@@ -101,9 +101,10 @@ class ModelState:
         (transformers sets ``config.problem_type`` in the first forward pass with labels; see :func:`restated_task`).
         ``root``: the converted root (default: the one this state is bound to)."""
         root = root if root is not None else self.root
-        if root is not None:
-            self.task = restated_task(root, self.task)
-        return self.task
+        task = self.task if root is None else restated_task(root, self.task)
+        if task is not self.task:  # (written only when it changed: nothing mutated on every pass, in a graph either)
+            self.task = task
+        return task
 
     @property
     def root(self) -> nn.Module | None:
