@@ -145,7 +145,7 @@ class Router:
     def takes_examples(self, args: tuple, spec: RouteSpec, task: Task | None) -> bool:
         """Whether the call's first argument is a list of examples (:func:`is_example_list`) under ``spec`` (a task
         it says wins) and the model's ``task``."""
-        return bool(args) and is_example_list(args[0], spec.task or task, self.options.batch_dim)
+        return len(args) > 0 and is_example_list(args[0], spec.task or task, self.options.batch_dim)
 
     def default_noise(self, training: bool, samples: int = 1) -> bool:
         """Whether to sample the factors where no ``mode()`` says: what an enclosing ``mode()`` said; else always in
