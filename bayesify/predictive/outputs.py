@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
 from bayesify.mixture import split_members
 from bayesify.predictive.libraries import infer_task
-from bayesify.predictive.tasks import Auto, Binary, Classification, Task, TaskMap
+from bayesify.predictive.tasks import Auto, Binary, Classification, CustomTask, Members, Task, TaskMap
 
 __all__ = ["check_leaf", "check_rows", "is_packed", "leaf_task", "output_key", "primary_leaf", "primary_output", "reduce_output", "rows_axis"]
 
@@ -92,6 +92,13 @@ def reduce_output(
             if batch and (t is primary or isinstance(task, TaskMap) and task.get(key) is not None):
                 _refuse_rows(model, t, members, batch, axis)
             return t
+        if isinstance(t, Tensor) and not floating and dim is not None and axis is not None and t.dim() > dim and (
+            t.shape[dim] == members * batch
+        ):
+            said = task.get(key) if isinstance(task, TaskMap) else task
+            if not isinstance(said, (Members, CustomTask)):
+                _refuse_discrete(model, key, t, members)
+            return said.reduce(split_members(t, members, dim))
         if not floating or t.dim() <= dim:
             return t
         stacked = t.movedim(dim, 0) if axis is None else split_members(t, members, dim)
@@ -161,6 +168,18 @@ def _refuse_rows(model: nn.Module, t: Tensor, members: int, batch: int, axis: in
         f"({members} members x the batch of {batch} that bayesify took at dimension {axis} of the input), so its "
         "members cannot be told apart; if the batch lies at another dimension of the input (a time-major "
         "[T, B] sequence), say so with bayesify.convert(model, batch_dim=...)."
+    )
+
+
+def _refuse_discrete(model: nn.Module, key: Any, t: Tensor, members: int) -> None:
+    """An integer or boolean output (an argmax, a mask) has one value per member and no mean: refused in one line
+    rather than handed back with the members' rows (a tensor of another length than the batch's)."""
+    where = "output" if key is None else f"output {key!r}"
+    raise ValueError(
+        f"the {where} of {type(model).__name__} is {t.dtype} (shape {tuple(t.shape)}: {members} members' rows), "
+        "which bayesify cannot average into one prediction; compute it outside the model from the mixture's output "
+        f"(e.g. the argmax of its probabilities), or name its reduction: task={{..., {key!r}: 'members'}} (the "
+        "members stacked) or a function of the members stacked [S, B, ...]."
     )
 
 

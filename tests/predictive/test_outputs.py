@@ -180,3 +180,33 @@ def test_one_unbatched_example_has_its_classes_on_its_one_axis() -> None:
     with torch.no_grad():
         out = model(torch.randn(3))  # one example, no batch axis: [C]
     assert out.shape == (4,) and torch.allclose(out.exp().sum(), torch.tensor(1.0))
+
+
+class _WithDiscreteOutputs(nn.Module):
+    """Logits, their argmax and a boolean mask: the two discrete leaves have no mean over members."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        z = self.fc(x)
+        return z, z.argmax(-1), z > 0
+
+
+def test_an_integer_or_boolean_output_is_refused_not_handed_back_with_the_members_rows() -> None:
+    """An argmax (or mask) output of a tiled evaluation pass came back with K x B rows, silently; it is refused in one
+    line naming the output and the fix, and reduced where the task names its reduction."""
+    torch.manual_seed(0)
+    model = bayesify.convert(_WithDiscreteOutputs(), components=4, task="classification").eval()
+    x = torch.randn(5, 4)
+    with pytest.raises(ValueError, match=r"output 1 of _WithDiscreteOutputs is torch.int64.*task=\{\.\.\., 1: 'members'\}"):
+        model(x)
+    vote = lambda members: members.float().mean(0) > 0.5  # noqa: E731 (a majority of the members)
+    model = bayesify.convert(_WithDiscreteOutputs(), components=4, task={0: "classification", 1: "members", 2: vote})
+    model.eval()
+    logits, argmax, mask = model(x)
+    members = bayesify.predict(model, x)
+    assert logits.shape == (5, 3) and mask.shape == (5, 3) and mask.dtype == torch.bool
+    assert torch.equal(argmax, members[1])  # [K, B]: each member's own argmax
+    assert torch.equal(mask, members[2].float().mean(0) > 0.5)
