@@ -8,6 +8,7 @@ of the result. It exits non-zero naming the first value that differs.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,12 @@ def run_worker(*args: str, nproc: int = 2, script: Path = WORKER) -> subprocess.
 
 
 def explain(result: subprocess.CompletedProcess) -> str:
+    """The launch's last 40 lines, after any earlier line naming an error: a rank's own traceback or abort comes
+    before the launcher's summary of the failure, which alone fills the last lines."""
     lines = [l for l in (result.stdout + result.stderr).splitlines() if not l.startswith(("W1", "[W"))]
-    return "\n".join(lines[-40:])
+    cause = [l for l in lines[:-40] if re.search(r"Error|Traceback|Abort|abort|Signal|signal|terminate|what\(\)", l)]
+    earlier = ["(earlier lines naming an error)", *cause[-30:], "(the last 40 lines)"] if cause else []
+    return "\n".join(earlier + lines[-40:])
 
 
 @pytest.mark.parametrize("model", ["vit", "gpt2", "resnet"])
