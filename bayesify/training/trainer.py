@@ -20,7 +20,9 @@ example through all K components, labels tiled to match), compute the
 is evaluated and ``OUT/checkpoint.pt`` is written atomically (also every ``checkpoint_every``
 steps). ``resume=True`` restores model, optimizer, schedule, grad scaler, step, epoch, position
 in the epoch and the RNG states, and continues as if never interrupted (bitwise on the CPU,
-with ``num_workers=0`` or augmentations that draw no randomness in the workers).
+with ``num_workers=0`` or augmentations that draw no randomness in the workers). A run resumed
+with more ``epochs`` keeps its learning-rate schedule and its KL annealing (unless it sets
+``kl_annealing_epochs``).
 """
 
 from __future__ import annotations
@@ -337,8 +339,15 @@ class Trainer:
                 f"{error}; it was written by an earlier bayesify release or with other trainable parameters "
                 "(--adapter); resume with the run's own settings, or start a new run in another --out."
             ) from None
-        run.scheduler.load_state_dict(state["scheduler"])
+        run.scheduler.load_state_dict(state["scheduler"])  # the run's learning-rate schedule (its epochs) comes back
         run.scaler.load_state_dict(state["scaler"])
+        saved = state.get("config") or {}
+        if self.config.kl_annealing_epochs is None and "epochs" in saved:
+            # and so does its KL annealing, unless this run sets one: 2/3 of a longer --epochs would take the weight
+            # of a run already at 1 back down (a 2-epoch run resumed with --epochs 4: 1.0 -> 0.77)
+            kl_epochs = saved.get("kl_annealing_epochs")
+            kl_epochs = 2 / 3 * saved["epochs"] if kl_epochs is None else kl_epochs
+            run.objective.kl_annealing_steps = round(kl_epochs * run.steps_per_epoch)
         self.step, self.epoch = state["step"], state["epoch"]
         run.log.truncate_after(self.step)
         self._wrap(run)

@@ -176,3 +176,18 @@ def test_the_trainer_trains_the_task_the_model_was_converted_with(tmp_path) -> N
         Trainer(said, binary(), bundle)
     with pytest.raises(ValueError, match=r"targets have shape \(4,\) \(class labels\?\): use task='classification'"):
         bayesify.predictive.Regression().log_likelihood(torch.randn(4, 10), torch.tensor([0, 1, 2, 3]))
+
+
+def test_a_run_resumed_for_more_epochs_keeps_its_kl_annealing(tmp_path, digits):
+    """``--resume --epochs 4`` on a finished 2-epoch run: the KL weight stays at 1 (the run's annealing over 2/3 of
+    its 2 epochs, as its learning-rate schedule comes back from the checkpoint), where 2/3 of the new 4 epochs took
+    it back to 0.77; a KL annealing this run sets itself is used."""
+    _train(_config(tmp_path, log_every=1), digits)
+    _train(_config(tmp_path, epochs=4, resume=True, log_every=1), digits)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scales = [r["kl_scale"] for r in records if "kl_scale" in r and r["step"] > 20]
+    assert scales and all(s == 1.0 for s in scales), scales
+    _train(_config(tmp_path, "other", log_every=1), digits)
+    _train(_config(tmp_path, "other", epochs=4, resume=True, kl_annealing_epochs=4.0, log_every=1), digits)
+    records = [json.loads(line) for line in (tmp_path / "other" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kl_scale"] for r in records if "kl_scale" in r and r["step"] > 20][0] < 0.7
