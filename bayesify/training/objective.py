@@ -41,7 +41,8 @@ from bayesify.inspection import NORM_LAYERS, is_converted, model_task, num_compo
 from bayesify.kl import kl_divergence, kl_scale
 from bayesify.mixture import logmeanexp
 from bayesify.options import StrOption
-from bayesify.predictive.tasks import Auto, Task, TaskName, resolve_task
+from bayesify.predictive.outputs import primary_output
+from bayesify.predictive.tasks import Auto, Task, TaskMap, TaskName, resolve_task
 from bayesify.sharding import whole
 
 __all__ = [
@@ -123,6 +124,25 @@ def training_nll(
     return -logmeanexp(per_member, 0).mean()
 
 
+def _primary(model: nn.Module, output: object, task: Task) -> tuple[Tensor, Task]:
+    """The primary tensor of a model's tuple or dict output (a tuple's first element, a dict's ``logits`` or
+    ``out``: as ``bayesify.uncertainty`` reads it) and its task (a task mapping's entry for it)."""
+    try:
+        tensor, key = primary_output(output)
+    except ValueError:
+        raise ValueError(
+            f"{type(model).__name__} returned a {type(output).__name__}, in which the objective finds no output to "
+            "train on (a tensor, a tuple whose first element is the logits, a dict with 'logits'); return the "
+            "logits first, or write the training step yourself with bayesify.kl_loss."
+        ) from None
+    if isinstance(task, TaskMap):
+        named = task.for_output(key)
+        if named is None:
+            raise ValueError(f"task={task} names no task for the output {key!r} of {type(model).__name__} that the objective trains on; add {key!r} to it.")
+        task = named
+    return tensor, task
+
+
 def _wide(t: Tensor) -> Tensor:
     # squares summed over millions of entries: at least float32 (a float64 model stays float64)
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
@@ -193,18 +213,21 @@ class Objective:
         if self.task is not None:
             self.task = resolve_task(self.task)
 
-    def __call__(self, model: nn.Module, logits: Tensor, labels: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(self, model: nn.Module, logits: Tensor | tuple | dict, labels: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss and its parts (``nll``, ``kl``, ``kl_scale``, ``l2``, ``loss``; detached).
 
         Args:
             model: the model (or its DDP / compiled wrapper) that produced ``logits``.
-            logits: its output for the batch (``[B, ...]`` or ``[K*B, ...]``).
+            logits: its output for the batch (``[B, ...]`` or ``[K*B, ...]``; of a tuple or dict output, the first
+                element or ``logits``).
             labels: the ``[B]`` labels.
             step: the optimizer step about to be taken (0-based), for the KL annealing.
         """
         inner = unwrap(model)
         k = num_components(inner)
         task = self.task if self.task is not None else model_task(inner)  # (no walk of the model when given)
+        if not isinstance(logits, Tensor):  # (logits, features), {"logits": ...}: the output the task is about
+            logits, task = _primary(inner, logits, task)
         if isinstance(task, Auto):  # nobody said: the loss users write, F.cross_entropy (refuses a one-logit output)
             task = TaskName.CLASSIFICATION
         nll = training_nll(logits, labels, components=k, likelihood=self.likelihood, task=task)

@@ -191,3 +191,34 @@ def test_a_run_resumed_for_more_epochs_keeps_its_kl_annealing(tmp_path, digits):
     _train(_config(tmp_path, "other", epochs=4, resume=True, kl_annealing_epochs=4.0, log_every=1), digits)
     records = [json.loads(line) for line in (tmp_path / "other" / "metrics.jsonl").read_text().splitlines()]
     assert [r["kl_scale"] for r in records if "kl_scale" in r and r["step"] > 20][0] < 0.7
+
+
+class _TupleNet(torch.nn.Module):
+    """A user's model that returns its logits with its features, as a tuple or a dict."""
+
+    def __init__(self, as_dict: bool) -> None:
+        super().__init__()
+        self.as_dict = as_dict
+        self.body, self.head = torch.nn.Linear(64, 32), torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> object:
+        h = self.body(x.flatten(1)).relu()
+        return {"logits": self.head(h), "features": h} if self.as_dict else (self.head(h), h)
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["tuple", "dict"])
+def test_the_trainer_trains_on_a_tuple_or_dict_outputs_logits(tmp_path, digits, as_dict):
+    """``bayesify train --model mymodule:factory`` with a model returning ``(logits, features)`` or ``{"logits", ...}``
+    ended in ``'tuple' object has no attribute 'shape'``: the objective trains on the primary output, as
+    ``evaluate`` scores it, and the run equals one on the logits alone."""
+    torch.manual_seed(0)
+    model = _TupleNet(as_dict)
+    plain = _TupleNet(as_dict)
+    plain.load_state_dict(model.state_dict())
+    plain.forward = lambda x: _TupleNet.forward(plain, x)["logits" if as_dict else 0]  # the logits alone
+    results = []
+    for net, name in ((model, "tuple"), (plain, "plain")):
+        torch.manual_seed(0)
+        bayesify.convert(net, task={"logits" if as_dict else 0: "classification"} if net is model else "classification")
+        results.append(Trainer(_config(tmp_path, name, epochs=1), net, digits).run())
+    assert results[0]["nll"] == pytest.approx(results[1]["nll"], rel=1e-6)
