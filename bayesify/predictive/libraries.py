@@ -219,9 +219,12 @@ def huggingface_loss(model: nn.Module, outputs: dict[str, Tensor], inputs: dict[
     loss_function = getattr(model, "loss_function", None)
     if loss_function is not None and _computes_with_loss_function(type(model)):
         if (getattr(model, "loss_type", None) or "ForCausalLM") in _LOSS_FUNCTION_TYPES:  # (None: transformers' default)
+            # with what the forward hands its loss function from its **kwargs: num_items_in_batch (transformers'
+            # Trainer: the tokens of the global batch, so that it sums the processes' losses), shift_labels,
+            # ignore_index. (Left out, the mean of one batch came back, and Trainer.evaluate on 2 processes doubled.)
             return loss_function(
                 logits=logits, pooled_logits=logits, labels=labels, vocab_size=getattr(config, "vocab_size", None),
-                config=config,
+                config=config, **_loss_keywords(type(model), inputs),
             )  # fmt: skip
     elif kind.endswith("ForMaskedLM") or (getattr(config, "is_encoder_decoder", False) and kind.endswith("ForConditionalGeneration")):
         # every token against its own label (a sequence-to-sequence model's decoder inputs are the labels shifted)
@@ -237,6 +240,22 @@ def huggingface_loss(model: nn.Module, outputs: dict[str, Tensor], inputs: dict[
         "way): in evaluation call it without labels and compute the loss from the mixture's outputs, or take one "
         "member's loss under bayesify.mode(model, component=k)."
     )
+
+
+def _loss_keywords(cls: type, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The call's keyword arguments that ``cls.forward`` does not name: its ``**kwargs``, which transformers' heads
+    pass on to ``self.loss_function``."""
+    named = _named_parameters(cls)
+    return {k: v for k, v in inputs.items() if k not in named}
+
+
+@functools.cache
+def _named_parameters(cls: type) -> frozenset[str]:
+    try:
+        parameters = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature at hand: hand nothing on
+        return frozenset()
+    return frozenset(p.name for p in parameters if p.kind is not inspect.Parameter.VAR_KEYWORD)
 
 
 @functools.cache

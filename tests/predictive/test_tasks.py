@@ -200,6 +200,28 @@ def test_huggingface_loss_is_the_mixtures_nll_and_generate_runs() -> None:
     assert generated.shape == (2, 9)
 
 
+
+def test_huggingface_loss_keeps_the_calls_loss_keywords() -> None:
+    """The evaluation loss of a converted language model is computed again on the mixture's logits; it dropped the
+    keywords the call hands the model's loss function (transformers' Trainer passes ``num_items_in_batch``, the
+    tokens of the global batch: ``Trainer.evaluate`` on 2 processes doubled ``eval_loss``). At init every member is
+    the original, so every loss equals the original model's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)  # fmt: skip
+    original = transformers.LlamaForCausalLM(config).eval()
+    model = copy.deepcopy(original)
+    bayesify.convert(model, components=K).eval()
+    ids = torch.randint(100, (3, 8))
+    shifted = torch.randint(100, (3, 8))
+    shifted[:, -1] = -100
+    calls = [{}, {"num_items_in_batch": torch.tensor(100)}, {"shift_labels": shifted}, {"ignore_index": int(ids[0, 3])}]
+    with torch.no_grad():
+        for keywords in calls:
+            expected = original(ids, labels=ids, **keywords).loss
+            torch.testing.assert_close(model(ids, labels=ids, **keywords).loss, expected, msg=str(list(keywords)))
+
 def test_tasks_by_name_and_by_object() -> None:
     assert isinstance(bayesify.predictive.parse_task("binary"), Binary)
     assert bayesify.predictive.parse_task("gaussian", gaussian_variance="softplus") == Gaussian("softplus")
