@@ -178,6 +178,9 @@ def test_evaluate_reports_the_mixture_nll(tmp_path: Path) -> None:
     (8, 8, 4): the Trainer weights each batch's mean by its size, so equal-length rows give the token mean."""
     model = tiny_gpt2(init_std=0.2)  # confident members
     perturb_factors(model, 0.5)
+    # GPT-2 states no loss_type, so the Trainer counts the unshifted labels in num_items_in_batch and reports (T-1)/T
+    # of any GPT-2's eval_loss, converted or not (the model's loss divides by it): stated, the count is the tokens'
+    model.loss_type = "ForCausalLM"
     data = counting_sequences(20, seed=2)
     ids = torch.stack([row["input_ids"] for row in data])
     trainer = BayesianTrainer(model=model, args=arguments(tmp_path), train_dataset=data, eval_dataset=data)

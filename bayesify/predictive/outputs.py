@@ -91,6 +91,8 @@ def reduce_output(
             # anything else passes as it is (a scalar auxiliary loss, a leaf with the rows folded with other axes)
             if batch and (t is primary or isinstance(task, TaskMap) and task.get(key) is not None):
                 _refuse_rows(model, t, members, batch, axis)
+            if t.dim() == 0:
+                _warn_scalar(model, key, members)
             return t
         if isinstance(t, Tensor) and not floating and dim is not None and axis is not None and t.dim() > dim and (
             t.shape[dim] == members * batch
@@ -168,6 +170,18 @@ def _refuse_rows(model: nn.Module, t: Tensor, members: int, batch: int, axis: in
         f"({members} members x the batch of {batch} that bayesify took at dimension {axis} of the input), so its "
         "members cannot be told apart; if the batch lies at another dimension of the input (a time-major "
         "[T, B] sequence), say so with bayesify.convert(model, batch_dim=...)."
+    )
+
+
+def _warn_scalar(model: nn.Module, key: Any, members: int) -> None:
+    """A scalar output of the tiled pass (a loss the model computes itself) was made over every member's rows: the
+    members' average, not the mixture's; said once per output (the warning's text names it)."""
+    where = "output" if key is None else f"output {key!r}"
+    warnings.warn(
+        f"the {where} of {type(model).__name__} is a scalar the model computed over the rows of all {members} members "
+        "(a loss: their average, not the mixture's, which the other outputs are); bayesify passes it on as it is. "
+        "For the mixture's loss, compute it from the reduced outputs (call the model without its labels).",
+        stacklevel=4,
     )
 
 

@@ -151,7 +151,8 @@ class WithAuxLoss(nn.Module):
 
 def test_a_leaf_without_a_batch_passes_where_the_task_does_not_reduce_it() -> None:
     model = bayesify.convert(WithAuxLoss(), components=K, task="classification").eval()
-    with torch.no_grad():
+    # a scalar made over every member's rows (a loss): the members' average, passed on with a warning naming it
+    with torch.no_grad(), pytest.warns(UserWarning, match="output 1 of WithAuxLoss is a scalar .* not the mixture's"):
         logits, aux = model(torch.randn(2, 5))
     assert logits.shape == (2, 3) and aux.dim() == 0
     named = bayesify.convert(WithAuxLoss(), components=K, task={0: "classification", 1: "regression"}).eval()
