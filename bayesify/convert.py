@@ -17,7 +17,7 @@ from typing import Iterable, Mapping, Unpack
 
 from torch import nn
 
-from bayesify.config import Rank1Config, Rank1Options, options_doc, scoped
+from bayesify.config import LayerOptions, Rank1Config, Rank1Options, options_doc, scoped
 from bayesify.inspection import NORM_LAYERS, inside, rank1_layers
 from bayesify.layers.attention import Rank1MultiheadAttention
 from bayesify.layers.base import ConvertedLayer, Rank1Layer
@@ -177,7 +177,9 @@ def convert(
         ValueError: an invalid option, a pattern that matches no module, nothing to convert,
             or a second conversion (of layers added since) that says other model-wide options
             (``components``, ``batch_dim``, ``sampling``, ``eval_noise``, another task than the one
-            said); those it does not say are the model's.
+            said); those it does not say are the model's. So are the layer options it does not say
+            (``prior``, ``prior_std``, ``posterior``, ``perturbation``, ``init``...: the new layers take
+            the converted layers' own, refused where those differ).
         TypeError: an unknown option.
 
     Example:
@@ -194,7 +196,8 @@ def convert(
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}.")
     existing = _existing_state(model)
-    if existing is not None and config is None:
+    second = existing is not None and config is None
+    if second:
         # a second conversion (of a layer added since: a new head): the model-wide options not said are the model's
         options = {**{name: getattr(existing.options, name) for name in scoped(Rank1Config, "model")}, **options}  # type: ignore[typeddict-item]
     config = Rank1Config.from_options(config, **options)
@@ -204,6 +207,8 @@ def convert(
     plan, skipped = _plan(model, table, _as_patterns("include", include), _as_patterns("exclude", exclude))
     # one prior for every layer, its scale following the depth unless given (Rank1Config.resolved_prior_std)
     layer_options = config.layer_options(sum(issubclass(layer_class, Rank1Layer) for _, _, layer_class in plan))
+    if second:  # and the layers' options not said are the model's layers' (a new head is one of them)
+        layer_options = _the_models_layer_options(model, layer_options, said=set(options) & set(scoped(Rank1Config, "layer")))
     for name, module, layer_class in plan:
         new = layer_class.from_module(module, layer_options, state)
         if new is not module:
@@ -311,6 +316,30 @@ convert.__signature__ = inspect.signature(convert).replace(  # type: ignore[attr
         ],
     ]
 )
+
+
+def _the_models_layer_options(model: nn.Module, made: LayerOptions, said: set[str]) -> LayerOptions:
+    """A second conversion's layer options: those ``said`` as ``made``, the others as the model's converted layers
+    have them (not the defaults: a new head of a BatchEnsemble model with a Normal posterior, or the depth rule's
+    prior scale for a model of one layer, 0.3 where the others have 0.087). Where its layers differ in an option
+    not said, which one the new layers take cannot be told: it must be said."""
+    theirs = [layer.rank1_state.options for layer in model.modules() if isinstance(layer, ConvertedLayer)]
+    theirs = [options for options in theirs if isinstance(options, LayerOptions)]
+    if not theirs:
+        return made
+    changes = {}
+    for field in dataclasses.fields(LayerOptions):
+        if field.name in said:
+            continue
+        values = {getattr(options, field.name) for options in theirs}
+        if len(values) > 1:
+            raise ValueError(
+                f"the converted layers of {type(model).__name__} have different {field.name} values "
+                f"({', '.join(sorted(map(str, values)))}), so the new layers cannot take the model's; pass "
+                f"{field.name}=... to this convert()."
+            )
+        changes[field.name] = values.pop()
+    return made.replace(**changes)
 
 
 def _existing_state(model: nn.Module) -> ModelState | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import timm
 import torch
@@ -303,6 +305,32 @@ def test_summary_names_a_layer_put_in_after_the_conversion_and_the_fix() -> None
     with pytest.raises(ValueError, match=r"converted with components=2.*got components=3"):
         bayesify.convert(net, components=3)  # said otherwise: still refused
 
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"posterior": "delta"}, {"prior": "cauchy", "posterior": "cauchy"}, {"perturbation": "additive"}, {"prior_std": 0.1}],
+    ids=["defaults", "batchensemble", "cauchy", "additive", "prior_std"],
+)
+def test_a_head_converted_after_the_model_takes_the_models_layer_options(options: dict) -> None:
+    """A head put in after convert() and converted by a second convert() (what summary() advises) took the defaults
+    for every layer option: a Normal head on a BatchEnsemble or Cauchy model, a multiplicative one on an additive
+    model, the depth rule's prior scale for one layer (0.3 against the model's 0.17). It takes the model's layers'
+    options, as a head swapped in before the conversion does; an option said is taken as said."""
+    body = [nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU()]
+    first = bayesify.convert(nn.Sequential(*body, nn.Linear(8, 3)), task="classification", **options)
+    after = bayesify.convert(nn.Sequential(*copy.deepcopy(body), nn.Linear(8, 5)), task="classification", **options)
+    after[4] = nn.Linear(8, 3)
+    bayesify.convert(after)
+    assert after[4].rank1_state.options == first[4].rank1_state.options == first[0].rank1_state.options
+    said = bayesify.convert(nn.Sequential(*copy.deepcopy(body), nn.Linear(8, 5)), task="classification", **options)
+    said[4] = nn.Linear(8, 3)
+    bayesify.convert(said, prior_std=0.5)
+    assert said[4].rank1_state.options.prior_std == 0.5 and said[0].rank1_state.options.prior_std != 0.5
+    assert said[4].rank1_state.options.replace(prior_std=0.0) == said[0].rank1_state.options.replace(prior_std=0.0)
+    said[2] = nn.Linear(8, 8)  # the model's layers now differ in prior_std: a new one cannot take theirs
+    with pytest.raises(ValueError, match=r"have different prior_std values .* pass prior_std=\.\.\. to this convert"):
+        bayesify.convert(said)
 
 def test_a_second_conversion_with_other_model_wide_options_names_what_was_converted() -> None:
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
