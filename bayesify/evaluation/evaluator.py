@@ -128,6 +128,8 @@ def _collect_members(
         x = _inputs_map(x, lambda t: t.to(device))
         if transform is not None:
             x = transform(x)
+        if y is not None:
+            x = _with_decoder_inputs(model, x, y.to(device))
         value = _forward(model, x, converted, samples, noise)
         members, key = _scored_output(model, value, output)
         if not converted:
@@ -167,6 +169,18 @@ def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) ->
         f"an (inputs, target) pair or a mapping of the model's keyword inputs with the target under {label_key!r}"
     )  # fmt: skip
     raise ValueError(f"a batch must be {accepted}; got {given}.")
+
+
+def _with_decoder_inputs(model: nn.Module, x: object, labels: Tensor) -> object:
+    """A mapping batch for a sequence-to-sequence model (T5, BART) with its decoder inputs made from ``labels``, as
+    the model's own forward makes them when given ``labels=``: evaluation keeps the labels from the model (they are
+    the target), which would else have no decoder input at all. Decoder inputs the batch has are kept."""
+    if not isinstance(x, Mapping) or any(x.get(k) is not None for k in ("decoder_input_ids", "decoder_inputs_embeds")):
+        return x
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if not callable(prepare) or not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return x
+    return {**x, "decoder_input_ids": prepare(labels=labels)}
 
 
 def _inputs_map(x: object, f: Callable[[Tensor], Tensor]) -> object:
@@ -391,7 +405,8 @@ def evaluate(
             mappings such as a Hugging Face data set's ``{"input_ids", "attention_mask", "labels"}`` (what
             ``transformers.Trainer`` takes): the ``label_key`` entry is the target and the others go to the model
             as keyword arguments (``model(**inputs)``, so an attention mask is honoured), their tensors moved to
-            ``device``. A 0-d target marks one example, given to the model as a batch of one. Any other batch is
+            ``device``; a sequence-to-sequence model (T5, BART) given no ``decoder_input_ids`` gets them made from
+            the labels, as its own forward makes them from ``labels=``. A 0-d target marks one example, given to the model as a batch of one. Any other batch is
             refused in one line naming it.
         task: what the output means (default: the converted model's, see :func:`model_task`).
         ood: an out-of-distribution set (its targets are ignored; its mappings need no ``label_key`` entry):
