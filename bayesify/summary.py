@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from bayesify._weight_uses import WeightUses, watched_parameters
 from bayesify.convert import default_mapping, is_weight_bearing, static_skip
@@ -79,13 +82,16 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     """Report what :func:`bayesify.convert` did to ``model``.
 
     With an example input (``summary(model, x)``) it also runs one forward pass (no gradients,
-    one component, no noise) and names every converted layer that did not take part: layers
+    one component, no noise, in the model's own train / eval mode) and names every converted layer
+    that did not take part: layers
     whose forward never ran and whose weight was not intercepted, and layers whose weight
     was used by other maths (see ``bayesify.layers._intercept``). It also watches the
     unconverted 2-d+ parameters: one used as a linear map (by ``F.linear``, ``matmul``, a
     convolution, ...) is reported with the one-line ``mapping=`` to convert it, and a module
     whose parameters were only used otherwise (position embeddings, bias tables, scales) is
-    dropped from ``skipped`` (see ``bayesify._weight_uses``).
+    dropped from ``skipped`` (see ``bayesify._weight_uses``). The pass leaves the model as it was:
+    its buffers (batch norms' running statistics), train / eval flags and the global random number
+    generators (CPU and accelerators) are restored after it, and it makes no gradients.
     """
     state = model_state(model)
     report = Summary(model=type(model).__name__, components=state.components, task=str(state.current_task()))
@@ -131,8 +137,9 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
         handles.append(layer.register_forward_pre_hook(lambda m, a, n=name: ran.add(n)))
     watcher = WeightUses(watched_parameters(model, layers))
     try:
-        with torch.no_grad(), mode(model, "component", component=0, noise=False), watcher:
-            model(*args, **kwargs)
+        with _untouched(model, args, kwargs), torch.no_grad(), mode(model, "component", component=0, noise=False):
+            with watcher:
+                model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
@@ -159,3 +166,41 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
             report.shared[name] = ("ran on an input that does not depend on the batch: one component's factors for "
                                      f"every member's rows (not their exact mixture); convert(..., exclude=[{name!r}]) "
                                      "keeps it deterministic")  # fmt: skip
+
+
+@contextmanager
+def _untouched(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[None]:
+    """Run the example pass in the model's own mode (a layer that runs only in training is still seen in
+    the compute path) yet leave nothing of it behind: an inspection must not shift a pretrained model's
+    evaluation. A batch norm in training mode updates its running statistics from the example batch, and
+    dropout draws from the global generators: every buffer (the tensor object and its values), every
+    train / eval flag and the generators of the devices in use are put back as they were."""
+    buffers = [
+        (module, name, buffer, buffer.detach().clone())
+        for module in model.modules() for name, buffer in module._buffers.items()
+        if buffer is not None and not buffer.is_inference()  # (an inference tensor cannot change outside one)
+    ]  # fmt: skip
+    flags = [(module, module.training) for module in model.modules()]
+    devices: dict[str, set[int]] = {}
+    for tensor in [*model.parameters(), *model.buffers(), *tree_leaves((args, kwargs))]:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type not in ("cpu", "meta"):
+            devices.setdefault(tensor.device.type, set()).add(tensor.device.index or 0)
+    with ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))  # the CPU generator
+        for kind, indices in devices.items():
+            backend = getattr(torch, kind, None)  # (one without a generator of torch's, XLA's, is not forked)
+            if backend is not None and hasattr(backend, "get_rng_state"):
+                if hasattr(backend, "current_device"):  # where a bare device="cuda" in the forward draws
+                    indices.add(backend.current_device())
+                stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=kind))
+        try:
+            yield
+        finally:
+            # every buffer copied back, not only those whose version counter moved: a batch norm's kernel updates
+            # its running statistics without bumping theirs
+            with torch.no_grad():
+                for module, name, buffer, saved in buffers:
+                    module._buffers[name] = buffer  # (a forward may have put a new tensor in its place)
+                    buffer.copy_(saved)
+            for module, training in flags:
+                module.training = training

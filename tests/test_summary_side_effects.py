@@ -1,0 +1,96 @@
+"""summary(model, x) inspects: its example pass leaves the model's buffers, flags, gradients and the global RNG as
+they were (a BatchNorm in training mode updated its running statistics from the example batch, and a pretrained
+model's evaluation shifted)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import bayesify
+
+
+class TrainOnlyHead(nn.Module):
+    """Batch norm and dropout in training mode, a buffer the forward replaces, and a head that runs only in
+    training (as an Inception's auxiliary classifier): the probe must still see it in the compute path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(0.5), nn.Linear(8, 3))
+        self.aux = nn.Linear(8, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1  # a new tensor in the buffer's place
+        y = self.body(x)
+        return y + self.aux(self.body[0](x)) if self.training else y
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.clone() for name, b in model.named_buffers()}
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_summary_example_pass_leaves_the_model_and_the_rng_as_they_were(training: bool) -> None:
+    model = bayesify.convert(TrainOnlyHead(), task="classification").train(training)
+    with torch.no_grad():
+        for _ in range(3):
+            model.train()(torch.randn(16, 6))  # running statistics away from their initial values
+    model.train(training)
+    x, example = torch.randn(8, 6), torch.randn(4, 6)
+    buffers, calls = _buffers(model), model.calls
+    flags = {name: m.training for name, m in model.named_modules()}
+    reference = copy.deepcopy(model).eval()(x)
+    rng = torch.get_rng_state()
+
+    report = bayesify.summary(model, example)
+
+    assert report.probed and set(report.bypassed) == (set() if training else {"aux"}), str(report)  # its own route
+    assert torch.equal(torch.get_rng_state(), rng), "the example pass drew from the global generator"
+    after = _buffers(model)
+    assert after.keys() == buffers.keys()
+    for name, value in buffers.items():
+        assert torch.equal(after[name], value), f"buffer {name} changed: {value} -> {after[name]}"
+    assert model.calls is calls, "the buffer the forward replaced was not put back"
+    assert {name: m.training for name, m in model.named_modules()} == flags
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(model.eval()(x), reference)
+
+
+def test_summary_runs_the_train_only_layers_of_a_model_in_training() -> None:
+    """The probe keeps the model's mode (the same route as before the fix): a layer that runs only in training is
+    in the compute path of a model in training, and named as bypassed of one in evaluation."""
+    model = bayesify.convert(TrainOnlyHead(), task="classification")
+    assert "aux" not in bayesify.summary(model.train(), torch.randn(4, 6)).bypassed
+    assert "aux" in bayesify.summary(model.eval(), torch.randn(4, 6)).bypassed
+
+
+def test_summary_leaves_a_timm_resnet_in_training_as_it_was() -> None:
+    """The report's case: timm.create_model returns a model in training mode; summary's example pass updated every
+    batch norm's statistics (num_batches_tracked 20 -> 21) and the evaluation moved by 0.2."""
+    timm = pytest.importorskip("timm")
+    net = timm.create_model("resnet18", num_classes=10, zero_init_last=False)
+    with torch.no_grad():
+        for _ in range(2):
+            net(torch.rand(16, 3, 32, 32))
+    model = bayesify.convert(net)
+    x = torch.rand(4, 3, 32, 32)
+    reference = copy.deepcopy(model).eval()(x)
+    buffers = _buffers(model)
+    bayesify.summary(model, torch.randn(2, 3, 32, 32))
+    assert model.training
+    assert model.bn1.num_batches_tracked.item() == 2
+    assert all(torch.equal(b, buffers[name]) for name, b in model.named_buffers())
+    assert torch.equal(model.eval()(x), reference)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_summary_leaves_the_cuda_generator_as_it_was() -> None:
+    model = bayesify.convert(TrainOnlyHead(), task="classification").cuda().train()
+    example = torch.randn(4, 6, device="cuda")
+    rng = torch.cuda.get_rng_state()
+    bayesify.summary(model, example)
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
