@@ -80,7 +80,26 @@ def infer_task(model: nn.Module) -> Task | None:
     if _defined_in(model, "torchvision.models") and not _defined_in(
         model, "torchvision.models.detection", "torchvision.models.segmentation", "torchvision.models.optical_flow"
     ):
-        return Classification(-1)
+        classes = _torchvision_classes(model)
+        return None if classes == 0 else Classification(-1, classes)
+    return None
+
+
+_TORCHVISION_HEADS = ("fc", "classifier", "heads", "head")  # ResNet / RegNet; VGG / MobileNet / ConvNeXt; ViT; Swin
+
+
+def _torchvision_classes(model: nn.Module) -> int | None:
+    """The number of classes a torchvision classifier's head gives: its last Linear's outputs (SqueezeNet's: a 1x1
+    convolution's); 0 where the head was removed (``model.fc = nn.Identity()``, the usual way to take embeddings:
+    features, which the model no longer states to be logits); None where no head is found."""
+    for name in _TORCHVISION_HEADS:
+        head = getattr(model, name, None)
+        if not isinstance(head, nn.Module):
+            continue
+        last = [m for m in head.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+        if not last:
+            return 0
+        return last[-1].out_features if isinstance(last[-1], nn.Linear) else last[-1].out_channels
     return None
 
 

@@ -58,6 +58,29 @@ def test_features_of_a_replaced_head_are_refused_not_softmaxed(replace: str) -> 
         assert bayesify.predict(model, x).shape == (K, 2, 512)  # each member's
 
 
+
+@pytest.mark.parametrize("name, head", [("resnet18", "fc"), ("mobilenet_v3_small", "classifier"), ("squeezenet1_1", "classifier")])
+def test_a_torchvision_classifier_whose_head_was_removed_is_refused_not_softmaxed(name: str, head: str) -> None:
+    """``model.fc = nn.Identity()`` (the usual way to take a torchvision network's embeddings) after ``convert``: the
+    features were softmaxed as 512 "classes", silently (torchvision states no ``num_classes``: its head's width is
+    read instead). A new head is its logits; a head removed before ``convert`` states no task."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    assert infer_task(getattr(torchvision.models, name)(num_classes=5)).classes == 5
+    model = bayesify.convert(getattr(torchvision.models, name)(num_classes=5), components=K)
+    setattr(model, head, nn.Identity())
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"entries on its class axis .* not the 5 classes"):
+        model.eval()(x)
+    if name == "resnet18":
+        model.fc = nn.Linear(512, 3)
+        bayesify.convert(model)
+        with torch.no_grad():
+            assert torch.allclose(model.eval()(x).exp().sum(-1), torch.ones(2), atol=1e-5)
+    bare = getattr(torchvision.models, name)(num_classes=5)
+    setattr(bare, head, nn.Identity())
+    assert infer_task(bare) is None
+
 def test_a_new_head_the_model_states_is_its_logits() -> None:
     model = _timm_classifier(10)
     model.reset_classifier(5)  # timm now states 5 classes: a classifier still
