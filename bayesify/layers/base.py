@@ -468,6 +468,19 @@ class ConvertedLayer(nn.Module):
                 return intercept(value, self)
         return value
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        # torch.jit.script calls this on every sub-module before it compiles any: one line here, whatever the root's
+        # class (a user's model holding converted layers too), where TorchScript failed deep inside on a forward's
+        # *args; the trace's refusal is ModelState.begin's
+        state = self.__dict__.get("rank1_state")
+        root = state.model.root if state is not None else None  # (None in a copy before its first pass)
+        raise RuntimeError(
+            f"torch.jit.script cannot compile a converted {type(root).__name__ if root is not None else 'model'} "
+            "(its rank-1 layers route their rows in Python on every pass). Use torch.export.export(model, (x,)) or "
+            "torch.compile(model), or script one member as a plain network: "
+            "torch.jit.script(bayesify.merge(model, component=k))."
+        )
+
     def __reduce_ex__(self, protocol: int) -> tuple:
         # the generated class is not importable by name: rebuild it from (layer class, base)
         cls = type(self)
