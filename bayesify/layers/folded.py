@@ -44,7 +44,8 @@ def fold_weights(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, trans
     """``W o (r_i s_i^T)`` for every row ``i`` of ``r`` (``[m, out]``) and ``s`` (``[m, in]``): ``[m, *W.shape]``.
 
     One autograd node for all ``m`` weights (see :func:`fold_weight`): a layer's K blocks fold in one
-    op, and their factors' gradients come back as one ``[m, out]`` and one ``[m, in]``.
+    op, and their factors' gradients come back as one ``[m, out]`` and one ``[m, in]``. The weights have ``W``'s
+    dtype whatever the factors' (fp32 factors of a bf16 layer), as the per-row path computes in the activations'.
     """
     rows, columns = (s, r) if transposed else (r, s)  # transposed: the same maths, the two leading axes swapped
     if torch.is_grad_enabled() and (weight.requires_grad or rows.requires_grad or columns.requires_grad):
@@ -67,7 +68,14 @@ def _factor_views(rows: Tensor, columns: Tensor, weight: Tensor, groups: int) ->
 def _fold(weight: Tensor, rows: Tensor, columns: Tensor, groups: int) -> Tensor:
     """``weight[o, j, ...] * rows[i, o] * columns[i, j]`` for each ``i`` (``j`` within the row's group)."""
     r, c = _factor_views(rows, columns, weight, groups)
-    return weight * (r * c)
+    return _in_dtype_of(weight * (r * c), weight)
+
+
+def _in_dtype_of(folded: Tensor, weight: Tensor) -> Tensor:
+    """``folded`` in ``weight``'s dtype: factors of a wider dtype than the weight (fp32 factors of a bf16 layer)
+    promote the product, which the layer's map (``F.linear``, a convolution, ``bmm``) refuses next to its input.
+    Folded in the wider dtype and rounded once; no op where the dtypes agree."""
+    return folded if folded.dtype == weight.dtype else folded.to(weight.dtype)
 
 
 class _FoldWeights(torch.autograd.Function):
@@ -81,7 +89,7 @@ class _FoldWeights(torch.autograd.Function):
         r, c = _factor_views(rows, columns, weight, groups)
         outer = r * c
         ctx.views = (r, c, outer if outer.numel() <= weight.numel() else None)  # (first-order backward only)
-        return weight * outer
+        return _in_dtype_of(weight * outer, weight)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -169,6 +177,11 @@ def run_blocks(
     """Block ``i`` of the rows through ``apply(rows, weights[i], offsets[i])``, the outputs in the rows' order
     (see :func:`rank1_folded`): one batched matmul for a dense map on equal blocks along a leading batch
     axis, else the map once per block (``weights``: stacked, or already one by one)."""
+    # bias offsets of another dtype than the weights (fp32 offsets of a bf16 layer) in the weights', as the per-row
+    # path adds them in its output's: the map refuses a bias of another dtype (no op where the dtypes agree)
+    dtype = weights.dtype if isinstance(weights, Tensor) else weights[0].dtype
+    if offsets is not None and offsets.dtype != dtype:
+        offsets = offsets.to(dtype)
     if dense and batch_axis == 0 and _equal_tiling(blocks, x.shape[0]) and isinstance(weights, Tensor):
         return dense_blocks(x, weights, offsets, transposed=transposed)
     each = weights.unbind(0) if isinstance(weights, Tensor) else weights
