@@ -32,6 +32,13 @@ class UserError(Exception):
 _HEADLINE = ("nll", "accuracy", "ece", "rmse", "calibration_error")
 # train flags that are not TrainConfig fields
 _NOT_CONFIG = {"command", "preset", "download", "nprocs"}
+# what a flag's help says beyond its field's one line (bayesify.zoo.models.create_model calls a factory so)
+_MORE_HELP = {
+    "model": "; a factory is called with those of these keyword arguments its signature names (a **kwargs gets the "
+    "first two): num_classes (the head's width: the classes, 1 for --task binary on two classes, 2 per target for "
+    "--task gaussian), in_channels (the data's channels, a table's features; also as in_chans) and input_shape (one "
+    "example's shape, e.g. (1, 8, 8) for digits)",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,7 +89,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         if not f.metadata.get("cli", True):
             continue
-        flag, kind, help_text = "--" + f.name.replace("_", "-"), hints[f.name], f.metadata.get("help", "")
+        flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
+        help_text = f.metadata.get("help", "") + _MORE_HELP.get(f.name, "")
         args = typing.get_args(kind)
         optional = type(None) in args
         base = next((a for a in args if a is not type(None)), kind) if optional else kind

@@ -112,7 +112,8 @@ def open_run(
         data = load_data(config.data, data_dir or config.data_dir, seed=0)
     model = restore_model(config, state, data, checkpoint=directory / CHECKPOINT)  # weights from the checkpoint
     model.to(resolve_device(device)).eval()
-    return LoadedRun(directory, config, model, data, int(state["step"]), run_task(config, data))
+    task = run_task(config, data, new_run=False)  # (the run trained with its options: they are not refused now)
+    return LoadedRun(directory, config, model, data, int(state["step"]), task)
 
 
 def evaluate_run(

@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from bayesify.options import StrOption
-from bayesify.predictive.tasks import resolve_task
+from bayesify.predictive.tasks import Binary, resolve_task
 
 __all__ = ["DataBundle", "DataKind", "InMemoryDataset", "data_names", "load_data"]
 
@@ -98,7 +98,7 @@ class DataBundle:
     Attributes:
         name: the name it was loaded by.
         train, test: map-style datasets of ``(input, label)``; images in [0, 1].
-        num_classes: number of classes (2 for binary tasks: the models output two logits); for a
+        num_classes: number of classes (2 for binary sets: two logits, or one with ``task="binary"``); for a
             regression, the number of targets.
         input_shape: one example's shape, e.g. ``(1, 8, 8)``, ``(1, 40)`` or ``(30,)``.
         kind: image, signal or tabular.
@@ -119,8 +119,12 @@ class DataBundle:
     target_std: float | None = None
 
     def outputs(self, task: object | None = None) -> int:
-        """How many outputs a model of this data needs for ``task`` (default: the data's own task)."""
-        return resolve_task(task, stated=resolve_task(self.task)).output_size(self.num_classes)
+        """How many outputs a model of this data needs for ``task`` (default: the data's own task): with
+        ``task="binary"``, two classes are one logit (the log-odds of class 1)."""
+        resolved = resolve_task(task, stated=resolve_task(self.task))
+        if type(resolved) is Binary and self.num_classes == 2:  # (not MultiLabel: one logit per label)
+            return 1
+        return resolved.output_size(self.num_classes)
 
     @property
     def in_channels(self) -> int:
