@@ -29,6 +29,7 @@ its inputs and outputs (:meth:`~bayesify.layers.ConvertedLayer.rank1_input_axes`
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import weakref
 from dataclasses import dataclass, field, replace
@@ -95,6 +96,8 @@ class Router:
     # the tiled routes' row indices by (members, rows each, device): the same for every batch of a size, so made once
     # (five ops a pass, a tenth of a small model's evaluation)
     tiled_rows: dict = field(default_factory=dict)
+    # the root's inputs that hold no batch (options.unbatched_inputs): their positions and their keyword names
+    unbatched: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
 
     def __getstate__(self) -> dict[str, Any]:
         # the forward pass in flight is not state to copy or save: after torch.export or torch.compile
@@ -116,6 +119,7 @@ class Router:
         """Route ``root``'s passes (``root_layout``: the root is a converted layer stating its batch axes)."""
         self.root_layout = root_layout
         self.root_ref = weakref.ref(root)
+        self.unbatched = input_positions(root, self.options.unbatched_inputs)
 
     def _member_rows(self, members: int, rows_each: int, device: torch.device) -> Tensor:
         """:func:`member_rows`, kept for the next pass alike (not in a traced graph, whose sizes may be symbolic)."""
@@ -284,7 +288,8 @@ class Router:
         if self.takes_examples(args, spec, task):
             return self._begin_list(module, spec, args, kwargs)
         leaves, tree = tree_flatten((args, kwargs), is_leaf=is_packed)
-        first = next((t for t in leaves if isinstance(t, (Tensor, PackedSequence))), None)
+        held = self._unbatched_leaves(args, kwargs) if self.options.unbatched_inputs else [False] * len(leaves)
+        first = next((t for t, h in zip(leaves, held) if not h and isinstance(t, (Tensor, PackedSequence))), None)
         if first is None:
             raise TypeError(
                 f"bayesify found no tensor input to route through the {self.components} mixture components; "
@@ -345,7 +350,18 @@ class Router:
                 return tile(t, members, dim)
             return t
 
-        return tree_unflatten([tile_leaf(t, d) for t, d in zip(leaves, axes)], tree)
+        return tree_unflatten([t if h else tile_leaf(t, d) for t, d, h in zip(leaves, axes, held)], tree)
+
+    def _unbatched_leaves(self, args: tuple, kwargs: dict) -> list[bool]:
+        """For each leaf of ``(args, kwargs)`` (in ``tree_flatten``'s order), whether it is in an input that holds no
+        batch (``unbatched_inputs``)."""
+        positions, names = self.unbatched
+        held: list[bool] = []
+        for i, value in enumerate(args):
+            held += [i in positions] * len(tree_flatten(value, is_leaf=is_packed)[0])
+        for name, value in kwargs.items():
+            held += [name in names] * len(tree_flatten(value, is_leaf=is_packed)[0])
+        return held
 
     def _begin_list(self, module: nn.Module, spec: RouteSpec, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A list of examples (torchvision detection: images of different sizes) as the first argument.
@@ -474,6 +490,43 @@ def member_rows(components: int, rows_each: int, device: torch.device) -> Tensor
     dynamic batch (onnxscript's ``repeat_interleave`` with a symbolic count is off by one).
     """
     return torch.arange(components, device=device)[:, None].expand(components, rows_each).reshape(-1)
+
+
+def input_positions(root: nn.Module, inputs: tuple[str | int, ...]) -> tuple[frozenset[int], frozenset[str]]:
+    """The positions and keyword names of ``root``'s forward inputs named in ``inputs`` (names or positions), from
+    its signature; an input it cannot have is refused in one line."""
+    if not inputs:
+        return frozenset(), frozenset()
+    try:
+        parameters = list(inspect.signature(root.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature at hand: take the names and positions as given
+        parameters = []
+    P = inspect.Parameter
+    positional = [p.name for p in parameters if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    keywords = {p.name for p in parameters if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
+    open_ended = not parameters or any(p.kind is P.VAR_KEYWORD for p in parameters)
+    more_positions = not parameters or any(p.kind is P.VAR_POSITIONAL for p in parameters)
+    positions, names = set(), set()
+    for entry in inputs:
+        if isinstance(entry, int):
+            if entry >= len(positional) and not more_positions:
+                raise ValueError(
+                    f"unbatched_inputs names position {entry}, but {type(root).__name__}.forward takes "
+                    f"{len(positional)} positional input(s) ({', '.join(positional)}); name an input it has."
+                )
+            positions.add(entry)
+            if entry < len(positional):
+                names.add(positional[entry])
+        else:
+            if entry not in keywords and entry not in positional and not open_ended:
+                raise ValueError(
+                    f"unbatched_inputs names {entry!r}, which is not an input of {type(root).__name__}.forward"
+                    f"({', '.join(p.name for p in parameters)}); name one of its inputs."
+                )
+            names.add(entry)
+            if entry in positional:
+                positions.add(positional.index(entry))
+    return frozenset(positions), frozenset(names)
 
 
 def is_example_list(value: object, task: Task | None = None, batch_axis: int | None = 0) -> bool:

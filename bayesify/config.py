@@ -61,6 +61,7 @@ class Rank1Options(typing.TypedDict, total=False):
     batch_dim: int
     eval_noise: bool
     sampling: Sampling | str
+    unbatched_inputs: tuple[str | int, ...]
     task: TaskName | Task | str | Any
     class_axis: int | None
     gaussian_variance: VarianceParameter | str
@@ -116,6 +117,14 @@ class Rank1Config:
         "'auto': per layer, one sample per component folded into the weight where that is cheaper (conv nets), "
         "else per example; 'example': per example everywhere (the reference); 'component': per component everywhere",
         scope="model",
+    )
+    unbatched_inputs: tuple[str | int, ...] = option(
+        (),
+        "the forward's inputs (names, or positions from 0) that hold no batch, never tiled for the members: a [T, T] "
+        "mask, class prototypes [C, D], a table; without it, an input whose size at batch_dim equals the batch's is "
+        "taken as batched",
+        scope="model",
+        cli=False,
     )
     task: TaskName | Task = option(
         TaskName.AUTO,
@@ -173,6 +182,16 @@ class Rank1Config:
         _positive("embedding_prior_std", self.embedding_prior_std, "it is the std of the Normal(0, std) prior on embeddings")
         if isinstance(self.batch_dim, bool) or not isinstance(self.batch_dim, int) or self.batch_dim < 0:
             raise ValueError(f"batch_dim={self.batch_dim!r} must be an integer >= 0 (where the batch lies in inputs).")
+        names = (self.unbatched_inputs,) if isinstance(self.unbatched_inputs, (str, int)) else self.unbatched_inputs
+        if not isinstance(names, (tuple, list)) or not all(
+            isinstance(n, str) and n.isidentifier() or isinstance(n, int) and not isinstance(n, bool) and n >= 0
+            for n in names
+        ):
+            raise ValueError(
+                f"unbatched_inputs={self.unbatched_inputs!r} must name the forward's inputs that hold no batch: "
+                "argument names or positions (from 0), e.g. ('prototypes',) or (1,)."
+            )
+        set_(self, "unbatched_inputs", tuple(names))
         if isinstance(self.task, (str, TaskName)):
             set_(self, "task", TaskName.parse(self.task, "task"))
         else:
@@ -263,6 +282,7 @@ class ModelOptions:
     batch_dim: int
     eval_noise: bool
     sampling: Sampling
+    unbatched_inputs: tuple[str | int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Iterable, Mapping, Unpack
 
 from torch import nn
 
+from bayesify._router import input_positions
 from bayesify.config import LayerOptions, Rank1Config, Rank1Options, options_doc, scoped
 from bayesify.inspection import NORM_LAYERS, inside, rank1_layers
 from bayesify.layers.attention import Rank1MultiheadAttention
@@ -201,6 +202,7 @@ def convert(
         # a second conversion (of a layer added since: a new head): the model-wide options not said are the model's
         options = {**{name: getattr(existing.options, name) for name in scoped(Rank1Config, "model")}, **options}  # type: ignore[typeddict-item]
     config = Rank1Config.from_options(config, **options)
+    input_positions(model, config.unbatched_inputs)  # (an input the forward does not have: refused before any change)
     table = _swap_table(mapping, config)
     said = config.resolved_task()  # what the caller said of the output (Auto: nothing)
     state = _state_for(model, config, said)

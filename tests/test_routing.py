@@ -583,3 +583,56 @@ def test_evaluation_warns_once_where_a_batch_norm_pools_the_members_statistics()
         warnings.simplefilter("error")
         pooled(x)  # (once per model)
         pooled.train()(x)  # training normalises its batch as the reference does
+
+
+class _Prototypes(nn.Module):
+    """A prototype classifier: the class prototypes [C, D] are an input that holds no batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
+        return -torch.cdist(self.embed(x), self.embed(prototypes))
+
+
+class _Causal(nn.Module):
+    """Attention with a [T, T] mask passed in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor) -> torch.Tensor:
+        return self.out(self.attention(x, x, x, attn_mask=attn_mask)[0].mean(1))
+
+
+@pytest.mark.filterwarnings("ignore:.*does not depend on the batch")  # the prototypes run one component's factors
+def test_an_input_named_unbatched_is_never_tiled_whatever_its_size() -> None:
+    """An input that holds no batch but whose size equals the batch's (prototypes with C == B, a [T, T] mask with
+    T == B) was tiled for the members in evaluation: [B, K*C] "classes" (an NLL off by log K), silently, or a shape
+    error in attention. ``unbatched_inputs`` names such inputs (by name or position): never tiled, so a batch of C
+    gives the rows a larger batch gives."""
+    torch.manual_seed(0)
+    model = bayesify.convert(_Prototypes(), components=4, task="classification", unbatched_inputs=("prototypes",),
+                             init="normal", init_mean_std=0.3)  # fmt: skip
+    model.eval()
+    x, prototypes = torch.randn(6, 4), torch.randn(5, 4)
+    with torch.no_grad():
+        six = model(x, prototypes)
+        five = model(x[:5], prototypes=prototypes)  # C == B, given by keyword
+    assert six.shape == (6, 5) and five.shape == (5, 5)
+    torch.testing.assert_close(five, six[:5])
+    by_position = bayesify.convert(_Prototypes(), components=4, task="classification", unbatched_inputs=(1,)).eval()
+    by_position.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(by_position(x[:5], prototypes), six[:5])
+    causal = bayesify.convert(_Causal(), components=4, task="classification", unbatched_inputs=["attn_mask"]).eval()
+    mask = nn.Transformer.generate_square_subsequent_mask(6)
+    with torch.no_grad():
+        assert causal(torch.randn(6, 6, 8), mask).shape == (6, 2)  # B == T
+    with pytest.raises(ValueError, match=r"unbatched_inputs names 'protos', which is not an input of _Prototypes.forward\(x, prototypes\)"):
+        bayesify.convert(_Prototypes(), task="classification", unbatched_inputs=("protos",))
+    with pytest.raises(ValueError, match=r"unbatched_inputs=\[1.5\] must name the forward's inputs"):
+        bayesify.convert(_Prototypes(), task="classification", unbatched_inputs=[1.5])
