@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -118,12 +119,37 @@ class HuggingFaceTask(TaskMap):
         return self.recompute_loss and key == "loss"
 
     def finish(self, model: Any, reduced: list[tuple[Any, object]], inputs: dict) -> list[object]:
-        """The ``loss``: the model's own loss function on the mixture's logits (the predictive NLL)."""
+        """The ``loss``: the model's own loss function on the mixture's logits (the predictive NLL); the KV cache
+        reordered member by member in beam search."""
+        for _, value in reduced:
+            if callable(getattr(value, "reorder_cache", None)):  # the KV cache (`cache`; `past_key_values` before 5.x)
+                _reorder_by_member(value)
         if not self.recompute_loss or all(key != "loss" for key, _ in reduced):
             return super().finish(model, reduced, inputs)
         outputs = {key: value for key, value in reduced if isinstance(value, Tensor)}
         loss = huggingface_loss(model, outputs, inputs)
         return [loss if key == "loss" else value for key, value in reduced]
+
+
+def _reorder_by_member(cache: object) -> None:
+    """Make a KV cache of the tiled pass (member-major: member k's rows ``[k * n, (k + 1) * n)``) reorder each
+    member's rows alike: beam search hands ``cache.reorder_cache`` the ``n`` beams' indices, which on the K * n rows
+    kept member 0's alone (the next step's K * n new rows then failed to join them)."""
+    reorder = getattr(cache, "reorder_cache", None)
+    if reorder is None or getattr(reorder, "by_member", False):
+        return
+
+    def reorder_members(beam_idx: Tensor) -> None:
+        keys = next((layer.keys for layer in getattr(cache, "layers", ()) if isinstance(getattr(layer, "keys", None), Tensor)), None)
+        rows = -1 if keys is None or keys.dim() == 0 else keys.shape[0]  # (a cache of another kind: as it is)
+        n = beam_idx.numel()
+        if n and rows > n and rows % n == 0:
+            offsets = torch.arange(rows // n, device=beam_idx.device) * n
+            beam_idx = (offsets[:, None] + beam_idx[None, :]).reshape(-1)
+        reorder(beam_idx)
+
+    reorder_members.by_member = True  # type: ignore[attr-defined]
+    cache.reorder_cache = reorder_members  # type: ignore[attr-defined]
 
 
 # the heads whose logits have config.num_labels entries on their class axis

@@ -222,6 +222,32 @@ def test_huggingface_loss_keeps_the_calls_loss_keywords() -> None:
             expected = original(ids, labels=ids, **keywords).loss
             torch.testing.assert_close(model(ids, labels=ids, **keywords).loss, expected, msg=str(list(keywords)))
 
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_beam_search_with_the_kv_cache_equals_beam_search_without_it(family: str) -> None:
+    """Beam search reorders the KV cache by the beams' indices (``cache.reorder_cache``); the cache of a converted
+    model holds K x B x beams rows, member-major, so it kept member 0's rows alone and the next step failed
+    ("Expected size 6 but got size 24"). Each member's rows are reordered alike: the same tokens as without the cache,
+    with members that differ."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=64, pad_token_id=0,
+                                         eos_token_id=1, bos_token_id=0)  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=100, max_position_embeddings=64,
+                                          tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=0)  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    bayesify.convert(model, components=K, init="normal", init_mean_std=0.3).eval()
+    ids = torch.randint(2, 100, (2, 5))
+    settings = dict(max_new_tokens=6, num_beams=3, do_sample=False)
+    with torch.no_grad():
+        cached = model.generate(ids, **settings)
+        uncached = model.generate(ids, use_cache=False, **settings)
+    assert cached.shape == (2, 11) and torch.equal(cached, uncached)
+
 def test_tasks_by_name_and_by_object() -> None:
     assert isinstance(bayesify.predictive.parse_task("binary"), Binary)
     assert bayesify.predictive.parse_task("gaussian", gaussian_variance="softplus") == Gaussian("softplus")
