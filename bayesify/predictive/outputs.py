@@ -189,11 +189,12 @@ def _refuse_discrete(model: nn.Module, key: Any, t: Tensor, members: int) -> Non
     """An integer or boolean output (an argmax, a mask) has one value per member and no mean: refused in one line
     rather than handed back with the members' rows (a tensor of another length than the batch's)."""
     where = "output" if key is None else f"output {key!r}"
+    said = "task='members'" if key is None else f"task={{..., {key!r}: 'members'}}"
     raise ValueError(
         f"the {where} of {type(model).__name__} is {t.dtype} (shape {tuple(t.shape)}: {members} members' rows), "
         "which bayesify cannot average into one prediction; compute it outside the model from the mixture's output "
-        f"(e.g. the argmax of its probabilities), or name its reduction: task={{..., {key!r}: 'members'}} (the "
-        "members stacked) or a function of the members stacked [S, B, ...]."
+        f"(e.g. the argmax of its probabilities), or name its reduction: {said} (the members stacked) or a function "
+        "of the members stacked [S, B, ...]."
     )
 
 
