@@ -61,10 +61,12 @@ def uncertainty(
 ) -> ClassificationUncertainty | BinaryUncertainty | RegressionUncertainty:
     """Predictive uncertainty of one batch: one batched pass of K x ``samples`` members, decomposed.
 
-    Classification gives probabilities, predictive entropy (total), expected entropy
-    (aleatoric), mutual information (epistemic) and the variation ratio, per example (per pixel
-    for segmentation); binary / multi-label the same per label; regression and Gaussian heads the
-    mean and the total, aleatoric and epistemic variances, with predictive intervals.
+    Classification gives ``probs``, ``predictive_entropy`` (total), ``expected_entropy``
+    (aleatoric), ``mutual_information`` (epistemic) and ``variation_ratio`` (Gal's: 1 - the share
+    of members voting for the most-voted class, not for the mixture's ``prediction``), per example
+    (per pixel for segmentation); binary / multi-label the same per label; regression and Gaussian
+    heads ``mean``, ``total_variance``, ``aleatoric_variance`` and ``epistemic_variance``, with
+    predictive intervals (``interval(level)``).
 
     Args:
         model: a converted model (in eval mode for evaluation).

@@ -128,7 +128,9 @@ class ClassificationUncertainty:
         expected_entropy: ``mean_s H[p_s]``: aleatoric uncertainty (what each member expects).
         mutual_information: ``predictive_entropy - expected_entropy`` (>= 0): epistemic
             uncertainty, the members' disagreement; 0 when all members agree.
-        variation_ratio: ``1 - (members whose argmax is the mixture's argmax) / S``.
+        variation_ratio: ``1 - (members voting for the most-voted class) / S``, each member voting for its
+            argmax (Gal 2016): the members' disagreement among themselves, not with the mixture's argmax
+            (members voting 8, 9, 8, 8 give 0.25 whichever class the mixture ranks first).
         class_axis: the (non-negative) class axis of ``probs``.
         member_probs: ``[S, ...]`` member probabilities, only with ``keep_members=True``.
     """
@@ -212,15 +214,19 @@ def classification_uncertainty(
     expected = summed_entropy / count
     # >= 0 by Jensen's inequality; the clamp only removes float64 rounding of the difference
     mutual_information = (predictive - expected).clamp_min(0.0)
-    # softmax keeps the order of the logits, so a member's argmax is that of its raw output
-    prediction = mixture_log_probs.argmax(axis)
-    agreeing = sum((member.argmax(axis) == prediction).to(torch.float64) for member in members)
+    # Gal's variation ratio: each member votes for its argmax (softmax keeps the order of the logits, so that of its
+    # raw output), and the share of the most-voted class is taken, whatever the mixture's argmax is
+    votes = torch.zeros_like(mixture_log_probs)
+    for member in members:
+        vote = member.argmax(axis, keepdim=True)
+        votes.scatter_add_(axis, vote, torch.ones_like(vote, dtype=votes.dtype))
+    modal = votes.amax(axis)
     return ClassificationUncertainty(
         probs=mixture_log_probs.exp().to(dtype),
         predictive_entropy=predictive.to(dtype),
         expected_entropy=expected.to(dtype),
         mutual_information=mutual_information.to(dtype),
-        variation_ratio=(1.0 - agreeing / count).to(dtype),
+        variation_ratio=(1.0 - modal / count).to(dtype),
         class_axis=axis,
         member_probs=torch.stack(kept) if keep_members else None,
     )
@@ -239,8 +245,8 @@ class BinaryUncertainty:
         predictive_entropy: Bernoulli entropy of ``probs`` (total).
         expected_entropy: ``mean_s`` of the members' Bernoulli entropies (aleatoric).
         mutual_information: their difference (epistemic, >= 0).
-        variation_ratio: fraction of members whose decision (``p_s > 0.5``) differs from the
-            mixture's (``probs > 0.5``).
+        variation_ratio: ``1 - (members voting for the more-voted decision) / S``, each member voting
+            ``p_s > 0.5`` (Gal 2016; the share of the minority, whatever the mixture decides).
         member_probs: ``[S, ...]`` member probabilities, only with ``keep_members=True``.
     """
 
@@ -311,14 +317,15 @@ def binary_uncertainty(member_logits: Tensor, *, keep_members: bool = False) -> 
     expected = summed_entropy / count
     mutual_information = (predictive - expected).clamp_min(0.0)
     mixture_probs = mixture_log_p.exp()
-    # a member decides "positive" where p_s > 0.5, i.e. where its logit is > 0
-    disagreeing = sum(((member > 0) != (mixture_probs > 0.5)).to(torch.float64) for member in member_logits)
+    # a member votes "positive" where p_s > 0.5, i.e. where its logit is > 0; Gal's variation ratio, as for classes
+    positive = sum((member > 0).to(torch.float64) for member in member_logits)
+    minority = torch.minimum(positive, count - positive)
     return BinaryUncertainty(
         probs=mixture_probs.to(dtype),
         predictive_entropy=predictive.to(dtype),
         expected_entropy=expected.to(dtype),
         mutual_information=mutual_information.to(dtype),
-        variation_ratio=(disagreeing / count).to(dtype),
+        variation_ratio=(minority / count).to(dtype),
         member_probs=torch.stack(kept) if keep_members else None,
     )
 

@@ -59,12 +59,30 @@ def test_random_members_match_a_per_member_loop_and_decompose_exactly():
         expected = sum(_h(*p[n].tolist()) for p in probs) / 6
         assert float(u.predictive_entropy[n]) == pytest.approx(_h(*mixture[n].tolist()), abs=1e-12)
         assert float(u.expected_entropy[n]) == pytest.approx(expected, abs=1e-12)
-        agreeing = sum(int(p[n].argmax() == mixture[n].argmax()) for p in probs)
-        assert float(u.variation_ratio[n]) == pytest.approx(1 - agreeing / 6, abs=1e-15)
+        votes = [int(p[n].argmax()) for p in probs]
+        modal = max(votes.count(c) for c in set(votes))  # Gal's: the most-voted class's share
+        assert float(u.variation_ratio[n]) == pytest.approx(1 - modal / 6, abs=1e-15)
     assert torch.allclose(u.predictive_entropy, u.expected_entropy + u.mutual_information, atol=1e-14)
     # bounds: 0 <= aleatoric <= total <= log C, and the epistemic part is at most log S
     assert torch.all(u.expected_entropy >= 0) and torch.all(u.expected_entropy <= u.predictive_entropy)
     assert torch.all(u.predictive_entropy <= math.log(5)) and torch.all(u.mutual_information <= math.log(6))
+
+
+def test_variation_ratio_is_gals_the_most_voted_class_not_the_mixtures_argmax():
+    # members vote 8, 9, 8, 8; member 1 is so sure of 9 that the mixture's argmax is 9
+    logits = torch.full((4, 1, 10), -10.0, dtype=torch.float64)
+    logits[[0, 2, 3], 0, 8], logits[[0, 2, 3], 0, 9] = 0.0, -0.1
+    logits[1, 0, 9] = 10.0
+    u = classification_uncertainty(logits)
+    assert logits.argmax(-1).flatten().tolist() == [8, 9, 8, 8] and u.prediction.tolist() == [9]
+    assert u.variation_ratio.tolist() == [0.25]  # 1 - 3/4; the mixture's argmax would give 1 - 1/4
+    # the same votes per label of a sigmoid output: 1 - 3/4 for [+, -, +, +] whatever the mixture decides
+    sigmoid = torch.tensor([[0.1], [-20.0], [0.1], [0.1]], dtype=torch.float64)
+    b = binary_uncertainty(sigmoid)
+    assert b.prediction.tolist() == [False] and b.variation_ratio.tolist() == [0.25]
+    # and a sigmoid output as a two-class softmax: the same variation ratio
+    as_softmax = classification_uncertainty(torch.stack([torch.zeros_like(sigmoid), sigmoid], -1))
+    assert torch.equal(b.variation_ratio, as_softmax.variation_ratio)
 
 
 def test_mutual_information_is_zero_when_all_members_agree():
