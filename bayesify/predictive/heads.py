@@ -43,7 +43,8 @@ def gaussian_head(
     if size == 0 or size % 2:
         raise ValueError(
             f"a Gaussian head's axis {axis} must hold 2 * D values (D means, then D variance parameters); "
-            f"got size {size} in output shape {tuple(output.shape)}. Pick the right axis, or use "
+            f"got size {size} in output shape {tuple(output.shape)}. Pass the axis that holds them as axis=, join a "
+            "(mean, log_var) pair into one tensor first (torch.cat([mean, log_var], axis)), or use "
             "regression_uncertainty(output) for a mean-only head."
         )
     mean, raw = output.split(size // 2, dim=axis)

@@ -21,10 +21,15 @@ segmentation or detection model and a Hugging Face model say what their outputs 
 names the option, because a wrong guess (softmax over a multi-label head or a ``(mean, log-variance)``
 pair, over the width of a segmentation map) would be a silently wrong number.
 
-Several outputs (a dict, a ``ModelOutput``, a tuple): a :class:`TaskMap` names the task of each
-top-level key / index; with one task, it applies to the *primary* output (the tensor itself, a
-tuple's first element, a Hugging Face ``logits``) and the other floating-point outputs of the
-members (features, attention weights, hidden states) are averaged.
+Several outputs (a dict, a ``ModelOutput``, a tuple): one task reduces *every* floating-point output
+that has the members' rows, not only the primary one (the tensor itself, a tuple's first element, a
+Hugging Face ``logits``: what :func:`bayesify.uncertainty` decomposes). With ``task="classification"``,
+``{"logits": z, "feat": f}`` comes back with ``feat`` as ``log mean softmax(f)`` too, and a warning names
+the tensors reduced as logits. A dict task (:class:`TaskMap`) names the task of each top-level key /
+index instead, e.g. ``{"logits": "classification", "feat": "regression"}`` (``feat``: the members'
+mean); a tiled output it does not name is refused. A Hugging Face model's inferred task names its
+``logits`` and averages the other floating-point outputs (hidden states, attentions). An output without
+the members' rows (a scalar loss) passes as it is.
 
 A task is decided in one place, :func:`resolve_task`; what a task means for a reduction, a
 likelihood, an uncertainty decomposition, the metrics and a head's width are its methods.
@@ -299,8 +304,26 @@ class Gaussian(Task):
 
     def split(self, members: Tensor) -> tuple[Tensor, Tensor]:
         """``(means, variances)`` of ``[S, ..., 2 * D, ...]`` members."""
+        self.check_width(members.shape[1:])
         axis = self.axis if self.axis < 0 else self.axis + 1
         return gaussian_head(members, variance=self.variance, axis=axis)
+
+    def check_width(self, shape: torch.Size) -> None:
+        """Refuse in one line one output of ``shape`` with no ``2 * D`` values on :attr:`axis`, naming what a model
+        can do (gaussian_head's own error names its arguments, which a task's caller does not pass)."""
+        size = shape[self.axis] if -len(shape) <= self.axis < len(shape) else None
+        if size is not None and size and size % 2 == 0:
+            return
+        param = {VarianceParameter.LOG: "log_var", VarianceParameter.SOFTPLUS: "raw_var"}.get(
+            self.variance, self.variance.value
+        )
+        got = "no such axis" if size is None else f"{size} value{'s' * (size != 1)} there"
+        raise ValueError(
+            f"task='gaussian' reads one tensor with D means then D variance parameters on axis {self.axis}, but an "
+            f"output of shape {tuple(shape)} has {got}; return torch.cat([mean, {param}], {self.axis}) (a "
+            f"(mean, {param}) tuple is two outputs), name another axis with "
+            "task=bayesify.predictive.Gaussian(axis=...), or use task='regression' for a mean-only head."
+        )
 
     def reduce(self, members: Tensor) -> Tensor:
         means, variances = self.split(members.double())
@@ -315,6 +338,7 @@ class Gaussian(Task):
         return torch.cat([mean, param], dim=self.axis).to(members.dtype)
 
     def log_likelihood(self, output: Tensor, target: Tensor) -> Tensor:
+        self.check_width(output.shape)
         mean, variance = gaussian_head(output.float(), variance=self.variance, axis=self.axis)
         variance = variance.clamp_min(1e-12)
         diff = mean - target.to(mean.dtype).reshape(mean.shape)

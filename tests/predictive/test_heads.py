@@ -30,6 +30,9 @@ def test_gaussian_head_on_members_and_on_a_channel_axis():
 def test_gaussian_head_rejects_bad_input():
     with pytest.raises(ValueError, match="got size 3"):
         gaussian_head(torch.randn(4, 3))
+    # the options it has: axis=, one tensor for a (mean, log_var) pair, a mean-only head's regression_uncertainty
+    with pytest.raises(ValueError, match=r"as axis=, .* \(torch.cat\(\[mean, log_var\], axis\)\), .*regression_unc"):
+        gaussian_head(torch.randn(4, 1))
     with pytest.raises(ValueError, match="negative values"):
         gaussian_head(torch.tensor([[0.0, -1.0]]), variance="std")
     with pytest.raises(ValueError, match="accepted"):

@@ -91,6 +91,84 @@ def test_gaussian_head_reduces_by_the_law_of_total_variance() -> None:
     torch.testing.assert_close(again.total_variance, total)
 
 
+class _MeanAndLogVar(nn.Module):
+    """A (mean, log-variance) pair returned as a tuple: two outputs, not one Gaussian head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp(2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.net(x)
+        return out[:, :1], out[:, 1:]
+
+
+@pytest.mark.parametrize("head", ["three wide", "one wide", "tuple"])
+def test_a_head_that_is_not_one_gaussian_tensor_is_refused_naming_the_options_there_are(head: str) -> None:
+    net = {"three wide": lambda: _mlp(3), "one wide": lambda: _mlp(1), "tuple": _MeanAndLogVar}[head]()
+    model = bayesify.convert(net, components=K, task="gaussian").eval()
+    # the fixes there are: one tensor torch.cat([mean, log_var], -1), Gaussian(axis=...) (gaussian_head's axis= is
+    # no option of a task), a mean-only head's task='regression'
+    message = (
+        r"task='gaussian' .* on axis -1, but an output of shape \(6, [13]\) has [13] values? there; return "
+        r"torch.cat\(\[mean, log_var\], -1\) \(a \(mean, log_var\) tuple is two outputs\), name another axis "
+        r"with task=bayesify.predictive.Gaussian\(axis=...\), or use task='regression' for a mean-only head."
+    )
+    x = torch.randn(6, 5, dtype=DT)
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        model(x)
+    with pytest.raises(ValueError, match=message):
+        bayesify.uncertainty(model, x)
+    with pytest.raises(ValueError, match=message):  # the training loss says the same
+        Gaussian().log_likelihood(torch.randn(6, 3 if head == "three wide" else 1), torch.randn(6))
+    with pytest.raises(ValueError, match=r"torch.cat\(\[mean, std\], -1\)"):  # the head's own variance parameter
+        Gaussian("std").log_likelihood(torch.randn(6, 3), torch.randn(6))
+
+
+def test_gaussian_axis_names_a_head_whose_means_and_variances_lie_on_another_axis() -> None:
+    torch.manual_seed(0)
+    net = nn.Conv1d(3, 4, 1).to(DT)  # [B, 2 * D, L]: D = 2 means, then 2 log-variances, per position
+    model = bayesify.convert(net, components=K, posterior="delta", task=Gaussian(axis=1))
+    _randomise(model)
+    x = torch.randn(6, 3, 7, dtype=DT)
+    with torch.no_grad(), bayesify.mode(model, noise=False):
+        mixture = model.eval()(x)
+    members = torch.stack(_members_by_hand(model, x))
+    means, variances = members[:, :, :2], members[:, :, 2:].exp()
+    torch.testing.assert_close(mixture[:, :2], means.mean(0))
+    torch.testing.assert_close(mixture[:, 2:].exp(), variances.mean(0) + means.var(0, unbiased=False))
+
+
+def test_one_task_reduces_every_output_with_member_rows_as_the_module_doc_says() -> None:
+    class LogitsAndFeatures(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _mlp(4)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            z = self.net(x)
+            return {"logits": z, "feat": 2 * z}
+
+    from bayesify.predictive import tasks
+
+    assert "``feat`` as ``log mean softmax(f)``" in " ".join(tasks.__doc__.split())  # (it said: averaged)
+    model = bayesify.convert(LogitsAndFeatures(), components=K, posterior="delta", task="classification")
+    _randomise(model)
+    x = torch.randn(6, 5, dtype=DT)
+    members = _members_by_hand(model, x)
+    mixture_of = lambda name: torch.logsumexp(torch.stack([m[name].log_softmax(-1) for m in members]), 0) - math.log(K)
+    with torch.no_grad(), bayesify.mode(model, noise=False), pytest.warns(UserWarning, match="2 tensors .* as logits"):
+        out = model.eval()(x)
+    torch.testing.assert_close(out["feat"], mixture_of("feat"))  # not the members' mean
+    named = {"logits": "classification", "feat": "regression"}
+    with torch.no_grad(), bayesify.mode(model, noise=False, task=named):
+        out = model(x)
+    torch.testing.assert_close(out["logits"], mixture_of("logits"))
+    torch.testing.assert_close(out["feat"], torch.stack([m["feat"] for m in members]).mean(0))
+    with torch.no_grad(), bayesify.mode(model, task={"logits": "classification"}), pytest.raises(ValueError, match="'feat'"):
+        model(x)  # an output the dict does not name is refused
+
+
 def test_a_three_axis_output_needs_its_class_axis() -> None:
     class Conv1dSegmenter(nn.Module):
         def __init__(self) -> None:
