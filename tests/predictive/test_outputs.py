@@ -160,6 +160,31 @@ def test_an_output_without_the_member_rows_is_refused_naming_batch_dim() -> None
                 torch.testing.assert_close(members[k], right(tokens))
 
 
+class PackedGRU(nn.Module):
+    """A padded batch and its lengths, packed: torch takes the lengths as a list or as a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.GRU(3, 8, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, lengths) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        return self.head(self.rnn(packed)[1][-1])
+
+
+@pytest.mark.filterwarnings("ignore:.*does not depend on the batch")
+def test_an_input_of_the_batch_that_is_a_list_is_refused_naming_a_tensor() -> None:
+    torch.manual_seed(0)
+    model = bayesify.convert(PackedGRU(), components=K, task="classification").eval()
+    x, lengths = torch.randn(4, 6, 3), [6, 2, 4, 3]
+    # a list is not tiled with x: 4 rows came back, not K x 4; batch_dim= is not the fix here
+    with torch.no_grad(), pytest.raises(ValueError, match=r"no dimension of 16 rows .* is a list .* pass it as a tensor"):
+        model(x, lengths)
+    with torch.no_grad():
+        out, members = model(x, torch.tensor(lengths)), bayesify.predict(model, x, torch.tensor(lengths))
+    assert out.shape == (4, 2) and members.shape == (K, 4, 2)
+
+
 class WithAuxLoss(nn.Module):
     """Logits and a scalar auxiliary loss (as a mixture-of-experts balancing loss): the loss has no batch."""
 
