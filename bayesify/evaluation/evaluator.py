@@ -150,7 +150,7 @@ def _collect_members(
 def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) -> tuple[object, Tensor | None]:
     """A batch's model inputs and its target: an ``(inputs, target)`` pair's two, or a mapping's entries other than
     ``label_key`` (a dict of keyword inputs) and that entry. ``labels`` False (an OOD set): a mapping may have no
-    target (None). ``label_key`` None: only pairs are taken (the corruption benchmark corrupts images)."""
+    target, and a batch may be the inputs alone (a tensor, or a one-tuple: ``TensorDataset(inputs)``'s) (None). ``label_key`` None: only pairs are taken (the corruption benchmark corrupts images)."""
     if isinstance(batch, Mapping) and label_key is not None:
         if label_key in batch:
             return {k: v for k, v in batch.items() if k != label_key}, torch.as_tensor(batch[label_key])
@@ -164,11 +164,17 @@ def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) ->
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         x, y = batch
         return x, torch.as_tensor(y)
+    if not labels and isinstance(batch, Tensor):  # an OOD set of inputs alone (noise, another domain)
+        return batch, None
+    if not labels and isinstance(batch, (tuple, list)) and len(batch) == 1:  # TensorDataset(inputs)'s batches
+        return batch[0], None
     given = f"a tensor of shape {tuple(batch.shape)}" if isinstance(batch, Tensor) else _described(batch)
     accepted = "an (inputs, target) pair" if label_key is None else (
         f"an (inputs, target) pair or a mapping of the model's keyword inputs with the target under {label_key!r}"
     )  # fmt: skip
-    raise ValueError(f"a batch must be {accepted}; got {given}.")
+    if not labels:
+        accepted = f"inputs, (inputs,), {accepted}"
+    raise ValueError(f"{'an OOD' if not labels else 'a'} batch must be {accepted}; got {given}.")
 
 
 def _with_decoder_inputs(model: nn.Module, x: object, labels: Tensor) -> object:

@@ -6,8 +6,9 @@ C classes, and integer ``labels`` of shape ``[N]``. A deterministic model is the
 
 * NLL of the mixture predictive, in logsumexp form:
   ``mean_n[ -logsumexp_s log p_s(y_n) + log S ]``.
-* accuracy, ECE (15 equal-width bins of top-1 confidence; torchmetrics' ``calibration_error``,
-  checked against :func:`ece_reference` in the tests) and Brier score on the mean probabilities.
+* accuracy, ECE (15 equal-width bins of top-1 confidence, checked against :func:`ece_reference` in the tests) and
+  Brier score on the mean probabilities (summed over the classes: 0 to 2; a binary task's is twice the one-column
+  Brier of sklearn's ``brier_score_loss``).
 * per component: NLL and accuracy of ``mean_m p_{k,m}`` (the reference's per-member metrics).
 * diversity: mean pairwise disagreement of the components' argmax, and that divided by the
   mixture's error rate ``1 - accuracy`` (the reference's ``average_pairwise_diversity(probs, K,
@@ -134,11 +135,17 @@ def ece_reference(probs: Tensor, labels: Tensor, bins: int = 15) -> Tensor:
 
 
 def expected_calibration_error(probs: Tensor, labels: Tensor, bins: int = 15) -> Tensor:
-    """ECE with ``bins`` equal-width bins of top-1 confidence (torchmetrics ``calibration_error``, L1)."""
-    from torchmetrics.functional.classification import multiclass_calibration_error
-
-    probs = probs.float()
-    return multiclass_calibration_error(probs, labels, num_classes=probs.shape[-1], n_bins=bins, norm="l1")
+    """ECE with ``bins`` equal-width bins of top-1 confidence, bin ``b`` holding ``(b / bins, (b + 1) / bins]``
+    (:func:`ece_reference`'s definition, in one pass). torchmetrics' ``calibration_error``, used before, put a
+    confidence of exactly 1.0 (a saturated float32 softmax) in a bin of its own."""
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"bins={bins!r} must be an integer >= 1 (the number of equal-width confidence bins; paper: 15).")
+    conf, pred = probs.float().max(-1)
+    correct = (pred == labels).float()
+    inner = torch.linspace(0, 1, bins + 1, dtype=conf.dtype, device=conf.device)[1:-1]
+    index = torch.bucketize(conf, inner)  # b: inner[b - 1] < conf <= inner[b], as the bins' (lo, hi]
+    gap = torch.zeros(bins, dtype=conf.dtype, device=conf.device).index_add_(0, index, conf - correct)
+    return gap.abs().sum() / max(len(labels), 1)
 
 
 def brier_score(probs: Tensor, labels: Tensor) -> Tensor:
@@ -193,10 +200,13 @@ def diversity(member_log_probs: Tensor, labels: Tensor, components: int) -> dict
 
 
 def binary_auc(probs: Tensor, labels: Tensor) -> dict[str, float]:
-    """AUC-PR (average precision) and AUC-ROC of the positive class (column 1) via torchmetrics."""
+    """AUC-PR (average precision) and AUC-ROC of the positive class (column 1) via torchmetrics; NaN where the labels
+    hold one class (as sklearn's ``roc_auc_score`` refuses)."""
     from torchmetrics.functional.classification import binary_auroc, binary_average_precision
 
     positive = probs[:, 1].float()
+    if labels.numel() == 0 or bool((labels == labels[0]).all()):  # one class only: neither curve is defined
+        return {"auc_pr": float("nan"), "auc_roc": float("nan")}  # (torchmetrics gave 0.0: a perfectly inverted model)
     return {
         "auc_pr": float(binary_average_precision(positive, labels)),
         "auc_roc": float(binary_auroc(positive, labels)),
@@ -206,8 +216,9 @@ def binary_auc(probs: Tensor, labels: Tensor) -> dict[str, float]:
 def risk_coverage(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """The risk-coverage curve of selective prediction by top-1 confidence.
 
-    The examples are kept in order of decreasing confidence (ties in a stable order); at coverage
-    ``i / N`` the risk is the error rate of the ``i`` kept examples. ``risk.mean()`` is the AURC
+    The examples are kept in order of decreasing confidence; at coverage ``i / N`` the risk is the error rate of the
+    ``i`` kept examples, examples of equal confidence taken in a random order (the expected risk: within a tie, each
+    one kept adds the tie's mean error), so the curve depends on the predictions alone, not on the test set's order. ``risk.mean()`` is the AURC
     (area under the risk-coverage curve); ``1 - risk`` is the accuracy-rejection curve.
 
     Returns:
@@ -220,8 +231,13 @@ def risk_coverage(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """
     confidence, predicted = probs.max(-1)
     order = torch.argsort(confidence.double(), descending=True, stable=True)
-    errors = (predicted[order] != labels[order]).double().cumsum(0)
-    kept = torch.arange(1, len(labels) + 1, dtype=torch.float64, device=errors.device)
+    wrong = (predicted[order] != labels[order]).double()
+    _, tie, sizes = torch.unique_consecutive(confidence[order], return_inverse=True, return_counts=True)
+    tie_errors = torch.zeros(len(sizes), dtype=torch.float64, device=wrong.device).index_add_(0, tie, wrong)
+    before = torch.cumsum(tie_errors, 0) - tie_errors  # errors of the ties kept before each tie
+    starts = torch.cumsum(sizes, 0) - sizes
+    kept = torch.arange(1, len(labels) + 1, dtype=torch.float64, device=wrong.device)
+    errors = before[tie] + (kept - starts[tie]) * tie_errors[tie] / sizes[tie]
     return kept / len(labels), errors / kept
 
 

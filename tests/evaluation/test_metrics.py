@@ -79,12 +79,42 @@ def test_samples_are_averaged_within_each_component():
     assert members[0]["nll"] == pytest.approx(float(-comp0.gather(1, y[:, None]).log().mean()))
 
 
-def test_torchmetrics_ece_matches_the_15_bin_formula():
+def test_ece_matches_the_bin_formula_at_every_bin_count():
     torch.manual_seed(1)
-    for _ in range(5):
+    for bins in (1, 2, 5, 15, 100):
         probs = (torch.randn(300, 10) * 3).softmax(-1)
         y = torch.randint(10, (300,))
-        assert float(expected_calibration_error(probs, y)) == pytest.approx(float(ece_reference(probs, y)), abs=1e-6)
+        assert float(expected_calibration_error(probs, y, bins)) == pytest.approx(float(ece_reference(probs, y, bins)), abs=1e-6)
+    with pytest.raises(ValueError, match=r"bins=0 must be an integer >= 1"):
+        expected_calibration_error(probs, y, 0)
+
+
+def test_a_confidence_of_exactly_one_is_in_the_last_bin():
+    """A saturated float32 softmax gives confidences of exactly 1.0; torchmetrics' binning (used before) put them in
+    a bin of their own: 0.275 where the definition gives 0.225 (all four rows in (14/15, 1]: accuracy 0.75,
+    confidence 0.975)."""
+    probs, y = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.95, 0.05], [0.95, 0.05]]), torch.tensor([0, 1, 0, 0])
+    assert float(expected_calibration_error(probs, y)) == pytest.approx(0.225, abs=1e-6)
+    assert compute_metrics(probs.log()[None], y)["ece"] == pytest.approx(float(ece_reference(probs, y)), abs=1e-6)
+
+
+def test_binary_auc_of_one_class_is_undefined_not_zero():
+    """A test set (or a slice of one) whose labels hold one class: sklearn refuses the ROC AUC; torchmetrics gave 0.0,
+    which reads as a perfectly inverted classifier."""
+    p = torch.rand(20)
+    for y in (torch.ones(20, dtype=torch.long), torch.zeros(20, dtype=torch.long)):
+        aucs = binary_auc(torch.stack([1 - p, p], 1), y)
+        assert math.isnan(aucs["auc_roc"]) and math.isnan(aucs["auc_pr"])
+
+
+def test_aurc_of_tied_confidences_does_not_depend_on_the_test_sets_order():
+    """Ties in confidence (common at a float32 confidence of 1.0) were kept in the test set's order, so shuffling
+    it changed the AURC (0.271 against 0.0625 here); each tie now adds its mean error per example kept."""
+    probs, y = torch.tensor([[0.7, 0.3], [0.7, 0.3], [0.7, 0.3], [0.9, 0.1]]), torch.tensor([1, 0, 0, 0])
+    forward, backward = risk_coverage(probs, y)[1], risk_coverage(probs.flip(0), y.flip(0))[1]
+    torch.testing.assert_close(forward, backward)
+    # kept by confidence: 0.9 right; then the three tied, one of them wrong: a third of an error each
+    torch.testing.assert_close(forward, torch.tensor([0.0, 1 / 6, 2 / 9, 1 / 4], dtype=torch.float64))
 
 
 def test_binary_auc_matches_sklearn():

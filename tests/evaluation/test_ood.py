@@ -97,3 +97,22 @@ def test_bad_input_is_refused():
     regression = regression_uncertainty(torch.randn(2, 3))
     with pytest.raises(TypeError, match="same \\*_uncertainty function"):
         ood_metrics_per_score(classification, regression)
+
+
+def test_an_ood_set_of_inputs_alone_is_evaluated_as_one_with_dummy_labels():
+    """The docstring says the OOD set's targets are ignored, yet a set of inputs alone (noise, another domain:
+    ``TensorDataset(inputs)``, a loader of bare tensors) was refused ("a batch must be an (inputs, target) pair")."""
+    import bayesify
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from bayesify.evaluation import evaluate
+
+    torch.manual_seed(0)
+    net = bayesify.convert(torch.nn.Sequential(torch.nn.Linear(8, 3)), task="classification", init="normal").eval()
+    x, y, far = torch.randn(30, 8), torch.randint(3, (30,)), torch.randn(20, 8) * 4
+    paired_set = TensorDataset(far, torch.zeros(20, dtype=torch.long))
+    for alone in (TensorDataset(far), DataLoader(far, batch_size=len(far))):
+        result = evaluate(net, TensorDataset(x, y), ood=alone, batch_size=len(far))
+        assert result["ood"] == evaluate(net, TensorDataset(x, y), ood=paired_set, batch_size=len(far))["ood"]
+    with pytest.raises(ValueError, match=r"an OOD batch must be inputs, \(inputs,\), an \(inputs, target\) pair"):
+        evaluate(net, TensorDataset(x, y), ood=[(far, far, far)])
