@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
 from bayesify.mixture import split_members
 from bayesify.predictive.libraries import infer_task
-from bayesify.predictive.tasks import Auto, Binary, Classification, CustomTask, Members, Task, TaskMap
+from bayesify.predictive.tasks import Auto, Binary, Classification, CustomTask, Gaussian, Members, Task, TaskMap
 
 __all__ = ["check_leaf", "check_rows", "is_packed", "leaf_task", "output_key", "primary_leaf", "primary_output", "reduce_output", "rows_axis"]
 
@@ -106,8 +106,15 @@ def reduce_output(
         stacked = t.movedim(dim, 0) if axis is None else split_members(t, members, dim)
         found = leaf_task(task, key, model, stacked.shape[1:], members)  # (a shape: no op to take one)
         check_leaf(found, key, model, stacked.shape[1:], None if axis is None else dim)
-        if found is task and isinstance(task, (Classification, Binary)):
+        if found is task and isinstance(task, (Classification, Binary, Gaussian)):
             as_logits.append(tuple(t.shape))
+            if isinstance(task, Gaussian) and len(as_logits) > 1:  # a (mean, log_var) tuple: two heads of D / 2 each
+                raise ValueError(
+                    f"task='gaussian' takes one tensor of means and variances, but {type(model).__name__} returned "
+                    f"several (shapes {', '.join(map(str, as_logits))}), each of which would be reduced as a head of "
+                    "its own; return torch.cat([mean, log_var], -1), or name each output's task with a dict (e.g. "
+                    "task={0: 'gaussian', 1: 'regression'})."
+                )
         return found.reduce(stacked)
 
     as_logits: list[tuple[int, ...]] = []  # the leaves one task of logits reduced

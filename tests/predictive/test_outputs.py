@@ -259,3 +259,20 @@ def test_an_integer_or_boolean_output_is_refused_not_handed_back_with_the_member
     assert logits.shape == (5, 3) and mask.shape == (5, 3) and mask.dtype == torch.bool
     assert torch.equal(argmax, members[1])  # [K, B]: each member's own argmax
     assert torch.equal(mask, members[2].float().mean(0) > 0.5)
+
+
+class _MeanAndLogVariance(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean, self.log_var = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mean(x), self.log_var(x)
+
+
+def test_a_gaussian_task_on_a_mean_and_log_variance_tuple_is_refused_not_reduced_leaf_by_leaf() -> None:
+    """``task="gaussian"`` on ``(mean [B, 2], log_var [B, 2])`` reduced each leaf as a head of its own (its first half
+    means, its second variances), silently; refused in one line naming torch.cat and a task per output."""
+    model = bayesify.convert(_MeanAndLogVariance(), components=K, task="gaussian").eval()
+    with torch.no_grad(), pytest.raises(ValueError, match=r"task='gaussian' takes one tensor .* torch\.cat\(\[mean, log_var\], -1\)"):
+        model(torch.randn(3, 4))
