@@ -5,7 +5,7 @@
 # markdown. Whoever has a GPU runs it as it is:
 #
 #     bash benchmarks/gpu.sh                 # on a CUDA machine; writes to ${OUT:-benchmarks/results/gpu}
-#     bash benchmarks/gpu.sh --smoke         # the same steps on the CPU with tiny models (checks the script)
+#     bash benchmarks/gpu.sh --smoke         # the same steps on the CPU with tiny models (checks the script; ${OUT:-/tmp/bayesify-gpu-smoke})
 #
 # Each step has its own time limit (STEP_LIMIT, TEST_LIMIT seconds) and writes its table as soon as it ends, so a
 # run cut short keeps what it measured; COMPILE_MODELS / COMPILE_GPT2=1 choose the compiled rows (each compile
@@ -13,7 +13,8 @@
 # directory put under .gpu_deps/ is used (PYTHONPATH).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-benchmarks/results/gpu}"
+# the smoke run checks the script: its tables go to a scratch folder, never over the GPU's committed ones
+if [ "${1:-}" = "--smoke" ]; then out="${OUT:-${TMPDIR:-/tmp}/bayesify-gpu-smoke}"; else out="${OUT:-benchmarks/results/gpu}"; fi
 mkdir -p "$out"
 export PYTHONPATH="$PWD:$PWD/.gpu_deps${PYTHONPATH:+:$PYTHONPATH}"
 py="${PYTHON:-python}"
