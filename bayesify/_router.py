@@ -123,8 +123,8 @@ class Router:
 
     def _member_rows(self, members: int, rows_each: int, device: torch.device) -> Tensor:
         """:func:`member_rows`, kept for the next pass alike (not in a traced graph, whose sizes may be symbolic)."""
-        if torch.compiler.is_compiling() or not isinstance(rows_each, int):
-            return member_rows(members, rows_each, device)
+        if torch.compiler.is_compiling() or not isinstance(rows_each, int) or torch.is_inference_mode_enabled():
+            return member_rows(members, rows_each, device)  # (kept from inference mode, a training step would fail)
         key = (members, rows_each, device)
         rows = self.tiled_rows.get(key)
         if rows is None:
@@ -476,11 +476,18 @@ def _ordered_blocks(components: int, batch: int, device: torch.device) -> tuple[
     return _block_numbers(sizes).to(device), blocks, torch.arange(len(sizes), device=device)
 
 
-@functools.lru_cache(maxsize=16)
 def _block_numbers(sizes: tuple[int, ...]) -> Tensor:
-    """``[0, 0, ..., 1, ...]``: the block of each row, for blocks of ``sizes`` rows (on the CPU, as the order)."""
+    """``[0, 0, ..., 1, ...]``: the block of each row, for blocks of ``sizes`` rows (on the CPU, as the order); kept
+    for the next pass alike, except one made in inference mode (an inference tensor fails a later backward)."""
+    return _made_block_numbers(sizes) if torch.is_inference_mode_enabled() else _kept_block_numbers(sizes)
+
+
+def _made_block_numbers(sizes: tuple[int, ...]) -> Tensor:
     cpu = torch.device("cpu")  # whatever default device is in force when it is first made (it is kept)
     return torch.arange(len(sizes), device=cpu).repeat_interleave(torch.tensor(sizes, dtype=torch.long, device=cpu))
+
+
+_kept_block_numbers = functools.lru_cache(maxsize=16)(_made_block_numbers)
 
 
 def member_rows(components: int, rows_each: int, device: torch.device) -> Tensor:

@@ -495,3 +495,26 @@ def test_reset_parameters_reinitialises_the_layers_factors_and_bias_offsets_too(
     transformers = pytest.importorskip("transformers")
     gpt2 = bayesify.convert(transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20)))
     assert not hasattr(gpt2.h[0].attn.c_attn, "reset_parameters")  # (a Conv1D has none: nor has its converted layer)
+
+
+@pytest.mark.parametrize("sampling", ["auto", "component", "example"])
+@pytest.mark.parametrize("route", ["sample", "tile"])
+def test_training_after_a_pass_in_inference_mode_works(sampling: str, route: str) -> None:
+    """A model checked under ``torch.inference_mode()`` (a baseline accuracy before fine-tuning) then trained: the
+    index tensors bayesify keeps between calls (a group's columns, the tiled rows, the blocks' numbers, the Cauchy
+    KL's quadrature nodes) were made in inference mode and kept, and every training step from the second failed
+    ("Inference tensors cannot be saved for backward"). What is made in inference mode is not kept."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5))
+    bayesify.convert(model, components=3, task="classification", sampling=sampling, prior="cauchy", posterior="cauchy")
+    x = torch.randn(5, 3, 12, 12)
+    with torch.inference_mode():
+        model.eval()(x)
+        bayesify.predict(model, x)
+        bayesify.kl_loss(model, 10)
+        model.train()(x)
+    for _ in range(3):
+        with bayesify.mode(model, route=route):
+            loss = model(x).logsumexp(-1).mean() + bayesify.kl_loss(model, 10)
+        loss.backward()
+    assert all(p.grad is not None for p in bayesify.rank1_parameters(model) if p.requires_grad)

@@ -81,10 +81,10 @@ def _hermgauss(n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor
     key = (n, dtype, device)
     if key not in _hermgauss_cache:
         nodes, weights = _hermgauss_numpy(n)
-        _hermgauss_cache[key] = (
-            torch.as_tensor(nodes, dtype=dtype, device=device),
-            torch.as_tensor(weights, dtype=dtype, device=device),
-        )
+        made = (torch.as_tensor(nodes, dtype=dtype, device=device), torch.as_tensor(weights, dtype=dtype, device=device))
+        if torch.is_inference_mode_enabled():  # (kept, inference tensors would fail a later backward)
+            return made
+        _hermgauss_cache[key] = made
     return _hermgauss_cache[key]
 
 

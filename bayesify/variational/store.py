@@ -244,7 +244,10 @@ class TableGroup:
         columns = self.__dict__.setdefault("_columns", {})
         if key not in columns:
             index = [c for i in slots for c in range(self.starts[i], self.starts[i] + self.sizes[i])]
-            columns[key] = torch.tensor(index, device=device)
+            made = torch.tensor(index, device=device)
+            if torch.is_inference_mode_enabled():  # an inference tensor, kept, would fail the next training step's
+                return made  # backward ("Inference tensors cannot be saved for backward"): made again out of it
+            columns[key] = made
         return columns[key]
 
     def __getstate__(self) -> dict:

@@ -78,7 +78,8 @@ def test_model_kl_is_the_sum_of_its_layers_kl(options) -> None:
     # bayesify.kl_divergence(model) concatenates factors that share a prior; the total is unchanged
     model = nn.Sequential(nn.Embedding(7, 6), nn.Linear(6, 5), nn.LSTM(5, 4), nn.Conv1d(4, 3, 2))
     bayesify.convert(model, components=3, exclude="1", **options)
-    bayesify.convert(model, components=3, include="1", prior_std=0.3, prior_mean=0.5)  # a second prior
+    # a second prior (a second conversion takes the model's layer options not said: these are said)
+    bayesify.convert(model, components=3, include="1", prior="normal", posterior="normal", prior_std=0.3, prior_mean=0.5)
     with torch.no_grad():
         for p in bayesify.rank1_parameters(model):
             p.add_(0.3 * torch.randn_like(p))
