@@ -55,7 +55,7 @@ def assert_exports(model: nn.Module, shape: tuple[int, ...], path: Path, *, onnx
             if onnx_from_model:
                 torch.onnx.export(
                     model, (example,), path, dynamo=True, input_names=["input"], output_names=["output"],
-                    dynamic_shapes=(batch,),
+                    dynamic_shapes=(batch,), external_data=False,
                 )  # fmt: skip
             else:
                 torch.onnx.export(
@@ -113,3 +113,26 @@ def test_export_members_with_the_tile_route() -> None:
         expected = _eager(model, x, route="tile")
         assert expected.shape == (K * b, 3)
         torch.testing.assert_close(program.module()(x), expected, atol=1e-5, rtol=1e-5)
+
+
+class _LastStep(nn.Module):
+    def __init__(self, recurrent: nn.Module) -> None:
+        super().__init__()
+        self.recurrent, self.head = recurrent, nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.recurrent(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("recurrent", [nn.LSTM, nn.GRU])
+def test_a_recurrent_model_exports_with_a_dynamic_batch(recurrent: type) -> None:
+    """A converted LSTM / GRU keeps one pass's draws per call size; exported with a dynamic batch that size is
+    symbolic, which cannot key a dict ("unhashable type: non-nested SymInt"): keyed by its expression."""
+    torch.manual_seed(0)
+    model = _LastStep(recurrent(6, 4, batch_first=True))
+    bayesify.convert(model, components=3, task="classification", init="normal").eval()
+    program = torch.export.export(model, (torch.randn(2, 5, 6),), dynamic_shapes=({0: Dim("batch")},))
+    for batch in (1, 3, 7):
+        x = torch.randn(batch, 5, 6)
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(x), model(x))

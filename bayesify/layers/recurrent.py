@@ -143,7 +143,7 @@ class _Rank1Recurrent(Rank1Layer):
         router = state.model.router
         draw = self.rank1_draw(n, device)
         cache = state.cache
-        key = (n, draw.noise, device)
+        key = (n if isinstance(n, int) else str(n), draw.noise, device)  # (a symbolic size, exported: its expression)
         if router.active and cache is not None and cache[0] is router.state and key in cache[1]:
             return cache[1][key]
         draws = {name: draw.sample(factor) for name, factor in self.rank1_factors()}
