@@ -80,6 +80,6 @@ def block_rows(per_block: Tensor, blocks: tuple[tuple[int, int], ...]) -> Tensor
     """
     sizes = [b - a for a, b in blocks]
     features = per_block.shape[-1]
-    if len(set(sizes)) == 1:
+    if all(size == sizes[0] for size in sizes[1:]):  # (not a set: hashing a symbolic size would fix it to its value)
         return per_block[:, None].expand(len(blocks), sizes[0], features).reshape(-1, features)
     return torch.cat([v.expand(n, -1) for v, n in zip(per_block[:, None], sizes)])

@@ -274,3 +274,24 @@ def test_a_compiled_pass_takes_each_rows_draw_from_its_block() -> None:
     compiled = torch.compile(model, backend=backend, fullgraph=True)(x)
     assert one_hot_rows and set(one_hot_rows) == {4}, one_hot_rows  # the blocks' K components only (was: 10 rows)
     torch.testing.assert_close(compiled, eager)  # the very draws: same rows, same noise
+
+
+@pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14),
+    reason="torch 2.9 traces the root's hooks and the layers as frames of their own, whose sizes it cannot relate",
+)
+def test_a_dynamic_compile_of_the_evaluation_mixture_serves_every_batch_size_with_one_graph() -> None:
+    """``torch.compile(model, dynamic=True)`` in evaluation (a server's varying batch sizes): the members' blocks were
+    compared through a set of their sizes, whose hashing fixed the batch to its first value, so every batch size
+    compiled a graph of its own until dynamo's recompile limit, then ran eagerly."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = bayesify.convert(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 5)), components=3,
+                             task="classification", init="normal").eval()  # fmt: skip
+    compiled = torch.compile(model, dynamic=True, backend="eager")
+    with torch.no_grad():
+        for batch in range(2, 12):
+            x = torch.randn(batch, 6)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
