@@ -450,7 +450,14 @@ def _balanced_blocks(components: int, batch: int, device: torch.device) -> tuple
     on the batch size alone; the order stays a tensor (no ``.tolist()``: ``torch.compile`` traces it
     without a graph break). It is drawn on the CPU, and no device sync is needed to know the blocks.
     """
-    base, extra = divmod(batch, components)
+    try:
+        base, extra = divmod(batch, components)
+    except TypeError:  # a symbolic batch outside dynamo: torch.export of a model in training with dynamic shapes
+        raise ValueError(
+            "the training route splits the batch into blocks of Python-number sizes, so a model in training exports "
+            "with a static batch only: export it in evaluation (model.eval(): the mixture, any batch size), or "
+            "without dynamic_shapes on the batch."
+        ) from None
     sizes = [size for size in [base + 1] * extra + [base] * (components - extra) if size]
     ends = list(itertools.accumulate(sizes))
     blocks = tuple((end - size, end) for size, end in zip(sizes, ends))

@@ -136,3 +136,13 @@ def test_a_recurrent_model_exports_with_a_dynamic_batch(recurrent: type) -> None
         x = torch.randn(batch, 5, 6)
         with torch.no_grad():
             torch.testing.assert_close(program.module()(x), model(x))
+
+
+def test_a_model_in_training_exported_with_a_dynamic_batch_is_refused_in_one_line() -> None:
+    """The sample route's blocks are Python numbers; a symbolic batch failed deep in the router ("unsupported operand
+    type(s) for divmod(): 'SymInt' and 'int'"). One line names the two ways that work."""
+    model = bayesify.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), components=2, task="classification")
+    model.train()
+    with pytest.raises(ValueError, match=r"exports with a static batch only: export it in evaluation"):
+        torch.export.export(model, (torch.randn(4, 4),), dynamic_shapes=({0: Dim("batch")},))
+    torch.export.export(model, (torch.randn(4, 4),))  # a static batch exports
