@@ -130,10 +130,10 @@ class Rank1Affine(Rank1Layer):
                     f"the additive perturbation shifts the output of {base.__name__} by core(s) + r, and it has no "
                     "bias (bias=False) to hold the shift"
                 )
-            return {"bias": bias + shift + (0 if delta is None else delta)}
+            return {"bias": (bias + shift + (0 if delta is None else delta)).to(bias.dtype)}
         merged = {"weight": self.rank1_merged_weight(weight, r, s)}
         if bias is not None and delta is not None:
-            merged["bias"] = bias + delta
+            merged["bias"] = (bias + delta).to(bias.dtype)  # (fp32 offsets of a bf16 layer: the layer's dtype)
         return merged
 
     @property

@@ -88,3 +88,15 @@ def test_mixed_dtype_factors_give_every_path_the_same_output_in_the_layers_dtype
             out = _run(model, x, training)
             assert out.dtype == weights, (path, b)
             torch.testing.assert_close(out.float(), expected, rtol=0.03, atol=0.03, msg=f"{path} at batch {b}")
+
+
+def test_a_merged_member_of_a_bf16_model_with_fp32_factors_is_a_bf16_model() -> None:
+    """``merge`` folds fp32 factors into the bf16 weights in the weights' dtype; the bias plus its fp32 offset came
+    back fp32, a model of two dtypes that a bf16 input then failed in."""
+    torch.manual_seed(0)
+    net = _converted(_linear().to(torch.bfloat16), "auto", 0, torch.float32)
+    merged = bayesify.merge(net, component=1)
+    assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    with torch.no_grad(), bayesify.mode(net, component=1, noise=False):
+        torch.testing.assert_close(merged(x).float(), net(x).float(), rtol=0.03, atol=0.03)
