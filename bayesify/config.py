@@ -101,7 +101,8 @@ class Rank1Config:
     init_std: float | None = option(
         None,
         "initial posterior scale directly (overrides init_dropout); None: the prior's scale (the posterior starts "
-        "at the prior: a KL of 0 at conversion), or init_dropout's when given",
+        "at the prior: a KL of 0 at conversion), or init_dropout's when given; a Cauchy posterior's: init_dropout "
+        "1e-6's, 0.001 (as wide as the prior, it would draw its heavy tails from the start)",
     )
     init_jitter: float = option(0.0, "std of truncated-normal jitter on the raw scale (reference: 0.1)")
     clip: float | None = option(10.0, "samples of r and s clipped to [-clip, clip] (reference: 10; None: off)")

@@ -106,16 +106,16 @@ def training_nll(
     rows, batch = logits.shape[0], labels.shape[0]
     if rows == batch and not (likelihood is Likelihood.MIXTURE and components > 1):
         return -task.log_likelihood(logits, labels).mean()
+    if rows == batch:  # mixture likelihood asked for on a [B] output (before the row check: B rows are right rows)
+        raise ValueError(
+            f"likelihood='mixture' needs every example through all K={components} components: run the forward pass "
+            "with route='tile' (outputs [K*B, ...]), or use likelihood='average' with route='sample'."
+        )
     if rows != components * batch:
         raise ValueError(
             f"the model returned {rows} rows for a batch of {batch} labels; with K={components} components the "
             f"sampled route gives {batch} rows and the tiled route {components * batch} (K x B). Run the forward "
             "pass inside bayesify.mode(model, route='tile') or route='sample', or pass the matching labels."
-        )
-    if rows == batch:  # mixture likelihood asked for on a [B] output
-        raise ValueError(
-            f"likelihood='mixture' needs every example through all K={components} components: run the forward pass "
-            "with route='tile' (outputs [K*B, ...]), or use likelihood='average' with route='sample'."
         )
     log_lik = task.log_likelihood(logits, labels.repeat(components, *([1] * (labels.dim() - 1))))  # member-major
     if likelihood is Likelihood.AVERAGE:

@@ -5,9 +5,12 @@
   (Chyzak & Nielsen 2019). The reference uses a one-sample Monte Carlo estimate instead;
   the closed form has no variance.
 * Normal posterior, Cauchy prior: ``-H(q) - E_q[log p]`` with the expectation by 64-point
-  Gauss-Hermite quadrature (deterministic and differentiable). Relative error < 1e-5 while the
-  posterior scale is at most twice the prior scale (training starts far inside that: ~0.03 vs
-  0.1); a posterior 5-10x wider than the prior is approximated to a few percent.
+  Gauss-Hermite quadrature (deterministic and differentiable). Relative error against adaptive
+  quadrature in float64 (a user's check): 4e-7 at a posterior as wide as the prior, 5e-5 at 1.5x,
+  6e-4 at 2x, 0.5% at 3x, 2.4% at 5x, 5-8% from 10x on (the prior's peak is then narrower than
+  the nodes' spacing; the error's sign follows the means' offset, so its gradient is biased too).
+  Training mostly narrows the posterior below the prior; a start wider than it
+  (``prior_std=0.01`` with ``init_dropout=1e-3``: 3.2x) is where it shows.
 * Cauchy posterior, Normal prior: infinite (a Cauchy has no second moment), so refused.
 
 The KL of a whole model is one sum over :class:`KLTerm` pieces that its layers declare

@@ -72,7 +72,9 @@ def test_a_one_logit_output_is_never_trained_as_a_softmax_over_one_class():
 def test_rows_that_fit_no_route_raise_with_the_fix():
     with pytest.raises(ValueError, match=r"10 rows for a batch of 4 labels.*route='tile'"):
         training_nll(torch.randn(10, 3), torch.zeros(4, dtype=torch.long), components=4)
-    with pytest.raises(ValueError, match="route='tile'"):
+    # B rows are the sampled route's right rows: the mixture likelihood is what needs the tiled route's K x B (the
+    # message said the rows did not fit the labels, and offered route='sample')
+    with pytest.raises(ValueError, match=r"^likelihood='mixture' needs every example through all K=4 components: .*route='tile'"):
         training_nll(torch.randn(4, 3), torch.zeros(4, dtype=torch.long), components=4, likelihood="mixture")
 
 
