@@ -225,6 +225,14 @@ def _from_factory(spec: str, **available: object) -> nn.Module:
         "input_shape": available["input_shape"],
     }
     kwargs = {k: v for k, v in kwargs.items() if takes_any and k in ("num_classes", "in_channels") or k in params}
+    P = inspect.Parameter
+    required = [n for n, p in params.items() if p.default is P.empty and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and n not in kwargs]
+    if required:  # (it would end in the factory's own TypeError, a traceback)
+        raise ValueError(
+            f"model='{spec}': the factory requires {', '.join(map(repr, required))}, which bayesify cannot give it; a "
+            f"factory is offered {', '.join(f'{k}={v!r}' for k, v in kwargs.items()) or 'nothing it names'} "
+            "(num_classes, in_channels / in_chans, input_shape, by name): give the others defaults."
+        )
     model = factory(**kwargs)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model='{spec}': the factory returned {type(model).__name__}, not a torch.nn.Module.")

@@ -83,8 +83,19 @@ def _write_factories(tmp_path, monkeypatch) -> None:
         "    return nn.Sequential(nn.Flatten(), nn.Linear(in_channels * 8 * 8, num_classes))\n\n\n"
         "def anything(**kwargs):\n"
         "    seen.update(kwargs)\n"
-        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, kwargs['num_classes']))\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, kwargs['num_classes']))\n\n\n"
+        "def needs_hidden(hidden, num_classes=10):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))\n"
     )
+
+
+def test_a_factory_that_requires_an_argument_bayesify_cannot_give_is_one_line(tmp_path, capsys, monkeypatch):
+    """A factory with a required argument of its own (``def f(hidden, num_classes=10)``) ended in its TypeError's
+    traceback."""
+    _write_factories(tmp_path, monkeypatch)
+    argv = ["train", "--model", "user_nets:needs_hidden", "--data", "digits", "--epochs", "1", "--out", str(tmp_path / "r")]
+    err = _one_line_error(capsys, argv)
+    assert "the factory requires 'hidden', which bayesify cannot give it; a factory is offered num_classes=10" in err, err
 
 
 def test_a_user_model_that_fails_on_the_data_names_itself_the_shape_and_the_error(tmp_path, capsys, monkeypatch):
