@@ -141,7 +141,11 @@ class Rank1Config:
         scope="conversion",
     )
     embeddings: bool = option(False, "make nn.Embedding / EmbeddingBag Gaussian variational embeddings (paper: MIMIC)", scope="conversion")
-    embedding_prior_std: float = option(1.0, "std of the Normal(0, std) prior of Gaussian embeddings")
+    embedding_prior_std: float = option(
+        1.0,
+        "std of the Normal(0, std) prior of Gaussian embeddings (their posterior starts at the factors' initial scale, "
+        "not at this prior's: a KL above 0 at conversion)",
+    )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place once
