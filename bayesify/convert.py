@@ -210,7 +210,8 @@ def convert(
     # one prior for every layer, its scale following the depth unless given (Rank1Config.resolved_prior_std)
     layer_options = config.layer_options(sum(issubclass(layer_class, Rank1Layer) for _, _, layer_class in plan))
     if second:  # and the layers' options not said are the model's layers' (a new head is one of them)
-        layer_options = _the_models_layer_options(model, layer_options, said=set(options) & set(scoped(Rank1Config, "layer")))
+        said_of_layers = set(options) & set(scoped(Rank1Config, "layer"))
+        layer_options = _the_models_layer_options(model, layer_options, said=said_of_layers)
     for name, module, layer_class in plan:
         new = layer_class.from_module(module, layer_options, state)
         if new is not module:

@@ -150,7 +150,8 @@ def _collect_members(
 def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) -> tuple[object, Tensor | None]:
     """A batch's model inputs and its target: an ``(inputs, target)`` pair's two, or a mapping's entries other than
     ``label_key`` (a dict of keyword inputs) and that entry. ``labels`` False (an OOD set): a mapping may have no
-    target, and a batch may be the inputs alone (a tensor, or a one-tuple: ``TensorDataset(inputs)``'s) (None). ``label_key`` None: only pairs are taken (the corruption benchmark corrupts images)."""
+    target, and a batch may be the inputs alone (a tensor, or a one-tuple: ``TensorDataset(inputs)``'s) (None).
+    ``label_key`` None: only pairs are taken (the corruption benchmark corrupts images)."""
     if isinstance(batch, Mapping) and label_key is not None:
         if label_key in batch:
             return {k: v for k, v in batch.items() if k != label_key}, torch.as_tensor(batch[label_key])
@@ -412,8 +413,8 @@ def evaluate(
             ``transformers.Trainer`` takes): the ``label_key`` entry is the target and the others go to the model
             as keyword arguments (``model(**inputs)``, so an attention mask is honoured), their tensors moved to
             ``device``; a sequence-to-sequence model (T5, BART) given no ``decoder_input_ids`` gets them made from
-            the labels, as its own forward makes them from ``labels=``. A 0-d target marks one example, given to the model as a batch of one. Any other batch is
-            refused in one line naming it.
+            the labels, as its own forward makes them from ``labels=``. A 0-d target marks one example, given to the
+            model as a batch of one. Any other batch is refused in one line naming it.
         task: what the output means (default: the converted model's, see :func:`model_task`).
         ood: an out-of-distribution set (its targets are ignored; its mappings need no ``label_key`` entry):
             adds ``ood``, the AUROC, AUPR and FPR@95 of each uncertainty score (max probability, entropy, mutual

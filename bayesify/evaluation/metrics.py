@@ -139,7 +139,9 @@ def expected_calibration_error(probs: Tensor, labels: Tensor, bins: int = 15) ->
     (:func:`ece_reference`'s definition, in one pass). torchmetrics' ``calibration_error``, used before, put a
     confidence of exactly 1.0 (a saturated float32 softmax) in a bin of its own."""
     if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"bins={bins!r} must be an integer >= 1 (the number of equal-width confidence bins; paper: 15).")
+        raise ValueError(
+            f"bins={bins!r} must be an integer >= 1 (the number of equal-width confidence bins; paper: 15)."
+        )
     conf, pred = probs.float().max(-1)
     correct = (pred == labels).float()
     inner = torch.linspace(0, 1, bins + 1, dtype=conf.dtype, device=conf.device)[1:-1]
@@ -218,8 +220,9 @@ def risk_coverage(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
 
     The examples are kept in order of decreasing confidence; at coverage ``i / N`` the risk is the error rate of the
     ``i`` kept examples, examples of equal confidence taken in a random order (the expected risk: within a tie, each
-    one kept adds the tie's mean error), so the curve depends on the predictions alone, not on the test set's order. ``risk.mean()`` is the AURC
-    (area under the risk-coverage curve); ``1 - risk`` is the accuracy-rejection curve.
+    one kept adds the tie's mean error), so the curve depends on the predictions alone, not on the test set's order.
+    ``risk.mean()`` is the AURC (area under the risk-coverage curve); ``1 - risk`` is the accuracy-rejection
+    curve.
 
     Returns:
         ``(coverage, risk)``, each ``[N]`` in float64.

@@ -140,7 +140,8 @@ def _reorder_by_member(cache: object) -> None:
         return
 
     def reorder_members(beam_idx: Tensor) -> None:
-        keys = next((layer.keys for layer in getattr(cache, "layers", ()) if isinstance(getattr(layer, "keys", None), Tensor)), None)
+        layers = getattr(cache, "layers", ())
+        keys = next((layer.keys for layer in layers if isinstance(getattr(layer, "keys", None), Tensor)), None)
         rows = -1 if keys is None or keys.dim() == 0 else keys.shape[0]  # (a cache of another kind: as it is)
         n = beam_idx.numel()
         if n and rows > n and rows % n == 0:

@@ -67,7 +67,9 @@ class TrainConfig(Rank1Config):
     likelihood: Likelihood = option(Likelihood.AVERAGE, "average: per-component NLL; mixture: -log mean_k p (needs --route tile)")
     l2: float = option(1e-4, "L2 prior coefficient on the point-estimated weights (reference 1e-4)")
     l2_norm_layers: bool = option(True, "include normalisation layers in the L2 term (CIFAR reference)")
-    kl_annealing_epochs: float | None = option(None, "epochs over which the KL weight rises to 1 (default: 2/3 of training; a resumed run keeps its own)")
+    kl_annealing_epochs: float | None = option(
+        None, "epochs over which the KL weight rises to 1 (default: 2/3 of training; a resumed run keeps its own)"
+    )
     train_noise: bool = option(True, "sample r, s during training (off: posterior means, e.g. for tests)")
     # optimisation
     optimizer: OptimizerName = option(OptimizerName.ADAM, "sgd (Nesterov momentum; CIFAR/ImageNet), adam (MIMIC), adamw")

@@ -138,7 +138,10 @@ def _primary(model: nn.Module, output: object, task: Task) -> tuple[Tensor, Task
     if isinstance(task, TaskMap):
         named = task.for_output(key)
         if named is None:
-            raise ValueError(f"task={task} names no task for the output {key!r} of {type(model).__name__} that the objective trains on; add {key!r} to it.")
+            raise ValueError(
+                f"task={task} names no task for the output {key!r} of {type(model).__name__} that the objective "
+                f"trains on; add {key!r} to it."
+            )
         task = named
     return tensor, task
 
@@ -213,7 +216,9 @@ class Objective:
         if self.task is not None:
             self.task = resolve_task(self.task)
 
-    def __call__(self, model: nn.Module, logits: Tensor | tuple | dict, labels: Tensor, step: int) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(
+        self, model: nn.Module, logits: Tensor | tuple | dict, labels: Tensor, step: int
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss and its parts (``nll``, ``kl``, ``kl_scale``, ``l2``, ``loss``; detached).
 
         Args:

@@ -186,7 +186,7 @@ def _check_takes_the_data(model: nn.Module, config: TrainConfig, bundle: DataBun
         try:  # two examples, collated as the data loader does
             examples = [bundle.test[i] for i in range(min(2, len(bundle.test)))]  # type: ignore[arg-type]
             x = bundle.normalize(default_collate(examples)[0])
-        except (IndexError, KeyError, TypeError, ValueError, RuntimeError):  # no (input, target) pairs: the trainer says
+        except (IndexError, KeyError, TypeError, ValueError, RuntimeError):  # no (input, target) pairs: trainer says
             return
         was_training = model.training
         model.eval()

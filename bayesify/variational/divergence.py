@@ -84,7 +84,7 @@ def _hermgauss(n: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor
     key = (n, dtype, device)
     if key not in _hermgauss_cache:
         nodes, weights = _hermgauss_numpy(n)
-        made = (torch.as_tensor(nodes, dtype=dtype, device=device), torch.as_tensor(weights, dtype=dtype, device=device))
+        made = tuple(torch.as_tensor(values, dtype=dtype, device=device) for values in (nodes, weights))
         if torch.is_inference_mode_enabled():  # (kept, inference tensors would fail a later backward)
             return made
         _hermgauss_cache[key] = made

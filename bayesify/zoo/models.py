@@ -226,7 +226,8 @@ def _from_factory(spec: str, **available: object) -> nn.Module:
     }
     kwargs = {k: v for k, v in kwargs.items() if takes_any and k in ("num_classes", "in_channels") or k in params}
     P = inspect.Parameter
-    required = [n for n, p in params.items() if p.default is P.empty and p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY) and n not in kwargs]
+    named = (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
+    required = [n for n, p in params.items() if p.default is P.empty and p.kind in named and n not in kwargs]
     if required:  # (it would end in the factory's own TypeError, a traceback)
         raise ValueError(
             f"model='{spec}': the factory requires {', '.join(map(repr, required))}, which bayesify cannot give it; a "
