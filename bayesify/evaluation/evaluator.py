@@ -32,7 +32,7 @@ from bayesify.evaluation.ood import ood_metrics_per_score, score_notes
 from bayesify.inspection import is_converted, model_task, num_components
 from bayesify.mode import predict
 from bayesify.model_state import model_state
-from bayesify.predictive.libraries import predicts_next_token
+from bayesify.predictive.libraries import predicts_next_token, with_decoder_inputs
 from bayesify.predictive.outputs import check_leaf, leaf_task, primary_output
 from bayesify.predictive.tasks import Classification, Task
 
@@ -129,7 +129,7 @@ def _collect_members(
         if transform is not None:
             x = transform(x)
         if y is not None:
-            x = _with_decoder_inputs(model, x, y.to(device))
+            x = with_decoder_inputs(model, x, y.to(device))
         value = _forward(model, x, converted, samples, noise)
         members, key = _scored_output(model, value, output)
         if not converted:
@@ -176,18 +176,6 @@ def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) ->
     if not labels:
         accepted = f"inputs, (inputs,), {accepted}"
     raise ValueError(f"{'an OOD' if not labels else 'a'} batch must be {accepted}; got {given}.")
-
-
-def _with_decoder_inputs(model: nn.Module, x: object, labels: Tensor) -> object:
-    """A mapping batch for a sequence-to-sequence model (T5, BART) with its decoder inputs made from ``labels``, as
-    the model's own forward makes them when given ``labels=``: evaluation keeps the labels from the model (they are
-    the target), which would else have no decoder input at all. Decoder inputs the batch has are kept."""
-    if not isinstance(x, Mapping) or any(x.get(k) is not None for k in ("decoder_input_ids", "decoder_inputs_embeds")):
-        return x
-    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if not callable(prepare) or not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        return x
-    return {**x, "decoder_input_ids": prepare(labels=labels)}
 
 
 def _inputs_map(x: object, f: Callable[[Tensor], Tensor]) -> object:

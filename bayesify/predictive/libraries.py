@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from torch import Tensor, nn
 
 from bayesify.predictive.tasks import Classification, Members, MultiLabel, Regression, Task, TaskMap
 
-__all__ = ["HuggingFaceTask", "huggingface_loss", "infer_task", "predicts_next_token"]
+__all__ = ["HuggingFaceTask", "huggingface_loss", "infer_task", "predicts_next_token", "with_decoder_inputs"]
 
 def _defined_in(model: nn.Module, *packages: str) -> bool:
     module = type(model).__module__ or ""
@@ -235,6 +236,20 @@ def predicts_next_token(model: nn.Module) -> bool:
         return False
     can_generate = getattr(model, "can_generate", None)
     return bool(can_generate()) if callable(can_generate) else False
+
+
+def with_decoder_inputs(model: nn.Module, inputs: object, labels: Tensor) -> object:
+    """Keyword inputs for a Hugging Face sequence-to-sequence model (T5, BART) with its decoder inputs made from
+    ``labels``, as its own forward makes them when given ``labels=``: an evaluation that keeps the labels from the
+    model (they are the target) would else give it no decoder input at all (BART: its own input ids). Decoder inputs
+    given are kept; any other model's inputs are returned as they are."""
+    given = ("decoder_input_ids", "decoder_inputs_embeds")
+    if not isinstance(inputs, Mapping) or any(inputs.get(k) is not None for k in given):
+        return inputs
+    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if not callable(prepare) or not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return inputs
+    return {**inputs, "decoder_input_ids": prepare(labels=labels)}
 
 
 # the heads whose loss the model's own ``self.loss_function`` computes from ``logits`` and ``labels`` alone
