@@ -107,6 +107,11 @@ class _Run:
     converted: bool
 
 
+def _kl_annealing_epochs(said: float | None, epochs: float) -> float:
+    """The epochs over which the KL weight rises to 1: as said, else 2/3 of the run's."""
+    return 2 / 3 * epochs if said is None else said
+
+
 class Trainer:
     """Train a (converted) model on a :class:`~bayesify.zoo.data.DataBundle` as ``config`` says.
 
@@ -301,7 +306,7 @@ class Trainer:
 
     def _objective(self, steps_per_epoch: int) -> Objective:
         cfg = self.config
-        kl_epochs = cfg.kl_annealing_epochs if cfg.kl_annealing_epochs is not None else 2 / 3 * cfg.epochs
+        kl_epochs = _kl_annealing_epochs(cfg.kl_annealing_epochs, cfg.epochs)
         return Objective(
             num_train=len(self.data.train),
             l2=cfg.l2,
@@ -345,8 +350,7 @@ class Trainer:
         if self.config.kl_annealing_epochs is None and "epochs" in saved:
             # and so does its KL annealing, unless this run sets one: 2/3 of a longer --epochs would take the weight
             # of a run already at 1 back down (a 2-epoch run resumed with --epochs 4: 1.0 -> 0.77)
-            kl_epochs = saved.get("kl_annealing_epochs")
-            kl_epochs = 2 / 3 * saved["epochs"] if kl_epochs is None else kl_epochs
+            kl_epochs = _kl_annealing_epochs(saved.get("kl_annealing_epochs"), saved["epochs"])
             run.objective.kl_annealing_steps = round(kl_epochs * run.steps_per_epoch)
         self.step, self.epoch = state["step"], state["epoch"]
         run.log.truncate_after(self.step)
