@@ -64,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--severities", type=_ints, default=(1, 2, 3, 4, 5), help="comma-separated, default 1,2,3,4,5")
     e.add_argument("--samples", type=int, help="posterior samples per component (default: the run's eval samples)")
     e.add_argument("--batch-size", type=int, default=256)
-    e.add_argument("--max-examples", type=int, help="evaluate the first N test examples only (and the first N of an --ood data set)")
+    e.add_argument(
+        "--max-examples", type=int, help="evaluate the first N test examples only (and the first N of an --ood set)"
+    )
     e.add_argument("--min-size", type=int, default=32, help="corrupt smaller images at an upsampled size")
     e.add_argument("--device", default="auto")
     e.add_argument("--data-dir", help="override the run's data directory")

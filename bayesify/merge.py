@@ -86,7 +86,7 @@ def _check_mergeable(model: nn.Module, component: int) -> None:
             "into=<the same model, converted, unsharded>), then bayesify.merge(plain, component)."
         )
     for _, layer in rank1_layers(model):
-        layer.rank1_check()  # a parameter replaced since conversion (its factors do not fit it): one line, before the copy
+        layer.rank1_check()  # a parameter replaced since conversion (its factors do not fit it): one line, first
     k = num_components(model)
     if isinstance(component, bool) or not isinstance(component, int) or not 0 <= component < k:
         raise ValueError(f"component={component!r} must be an integer in [0, {k}) (the model has K={k} components).")

@@ -389,8 +389,8 @@ def _headline_section(rows: Sequence[tuple[str, Mapping[str, Any], Any]], *, com
     if _is_regression(clean):
         lines.append(
             "Lower is better for RMSE, MAE, NLL and the calibration error (|expected - observed| interval coverage, "
-            "averaged over levels 5%..95%); sharpness is the mean predictive std; a calibrated 90% interval covers 0.9. "
-            "RMSE, MAE, NLL and sharpness are in the units of the targets the model was trained on: the built-in "
+            "averaged over levels 5%..95%); sharpness is the mean predictive std; a calibrated 90% interval covers "
+            "0.9. RMSE, MAE, NLL and sharpness are in the units of the targets the model was trained on: the built-in "
             "tabular sets standardise them (RMSE, MAE and sharpness times the data set's target_std are in the "
             "original units; NLL plus log(target_std))."
         )

@@ -186,8 +186,8 @@ def _changed_message(name: str, now: tuple[int, ...], then: tuple[int, ...]) -> 
     return (
         f"its {name} is {list(now)} now, but its rank1_* parameters were made for {list(then)} by bayesify.convert "
         "(they do not follow a parameter replaced later, e.g. by resize_token_embeddings or pruning): make the "
-        "change before bayesify.convert, or call bayesify.revert(model) and then bayesify.convert(model, ...) again (every "
-        "layer's rank-1 values start anew)."
+        "change before bayesify.convert, or call bayesify.revert(model) and then bayesify.convert(model, ...) again "
+        "(every layer's rank-1 values start anew)."
     )
 
 
