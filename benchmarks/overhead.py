@@ -163,8 +163,20 @@ def _inputs(base: nn.Module, size: int, batch: int, device: torch.device) -> tup
     return torch.randn(batch, 3, size, size, device=device), torch.randint(10, (batch,), device=device)
 
 
-def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: torch.dtype | None) -> list[list[str]]:
-    """The table rows of one model: each measured against its own yardstick, in one round-robin run."""
+def _rows(args: argparse.Namespace) -> list[str]:
+    """The rank-1 rows ``--rows`` names (``--default-route-only``: the default-route step alone)."""
+    chosen = ["sample"] if args.default_route_only else [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = sorted(set(chosen) - {"sample", "tile", "mixture"})
+    if unknown or not chosen:
+        raise SystemExit(f"--rows {args.rows!r}: choose from sample, tile, mixture (comma-separated), e.g. --rows sample,mixture")
+    return chosen
+
+
+def model_rows(
+    spec: str, args: argparse.Namespace, device: torch.device, amp: torch.dtype | None, profiles: list[str] | None = None
+) -> list[list[str]]:
+    """The table rows of one model: each measured against its own yardstick, in one round-robin run. ``profiles``, if
+    given, receives the op profile of its training steps (the original's and the default route's) after the timing."""
     base, size = _model(spec, device)
     k, batch = args.components, args.batch
     x, y = _inputs(base, size, batch, device)
@@ -181,8 +193,11 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
         "tile": make_step(tiled, x, y, route="tile", kl=bayesify.kl_divergence, **train_options),
         "mixture": make_eval(copy.deepcopy(rank1), x, **options),
     }
-    if getattr(args, "default_route_only", False):  # compiled runs: each step compiles once, so time only the main row
-        steps = {name: steps[name] for name in ("det@B", "sample")}
+    # each row chosen with its yardstick (a compiled run compiles every step once: choose what to pay for)
+    chosen = _rows(args)
+    yardsticks = {"sample": "det@B", "tile": "det@KB", "mixture": "det eval@KB"}
+    keep = set(chosen) | {yardsticks[c] for c in chosen} | ({"det@B"} if args.peers else set())  # peers: against det at B
+    steps = {name: step for name, step in steps.items() if name in keep}
     if args.peers:
         be = bayesify.convert(copy.deepcopy(base), components=k, posterior="delta", sampling=args.sampling, **_task(base))
         steps["delta"] = make_step(be, x, y, **train_options)
@@ -216,6 +231,8 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
     # ops dispatched per step, after the timing's warm-up (a compiled step's ops run inside its graph: not counted)
     ops = {} if args.compile else {n: op_calls(steps[n]) for n in ("det@B", "det@KB", "det eval@KB", "sample", "tile", "mixture") if n in steps}
     peaks = {n: peak_step_bytes(steps[n], device) for n in trained}
+    if profiles is not None:
+        profiles.append(profile({"deterministic": steps["det@B"], "rank-1": steps["sample"]}, device) if "sample" in steps else "")
 
     def ratio(a: str, b: str) -> str:
         return f"{seconds[a] / seconds[b]:.2f}"
@@ -229,24 +246,23 @@ def model_rows(spec: str, args: argparse.Namespace, device: torch.device, amp: t
         return saved + peak
 
     title = f"{spec} B={batch}"
-    rows = [
-        [title, "training step, default route", "det at B", ratio("sample", "det@B"), count("sample", "det@B"),
-         mem("sample", "det@B"), f"{seconds['det@B'] * 1e3:.0f} / {seconds['sample'] * 1e3:.0f}"],
-    ]  # fmt: skip
-    if "tile" in steps:  # (not with --default-route-only: made only where their steps ran)
-        rows += [
-            [title, "training step, tiled route", "det at K*B", ratio("tile", "det@KB"), count("tile", "det@KB"),
-             mem("tile", "det@KB"), f"{seconds['det@KB'] * 1e3:.0f} / {seconds['tile'] * 1e3:.0f}"],
-            [title, f"evaluation, mixture of {k}", "det at K*B", ratio("mixture", "det eval@KB"), count("mixture", "det eval@KB"),
-             "-", f"{seconds['det eval@KB'] * 1e3:.0f} / {seconds['mixture'] * 1e3:.0f}"],
-        ]  # fmt: skip
+    rows = []
+    if "sample" in steps:
+        rows.append([title, "training step, default route", "det at B", ratio("sample", "det@B"), count("sample", "det@B"),
+                     mem("sample", "det@B"), f"{seconds['det@B'] * 1e3:.0f} / {seconds['sample'] * 1e3:.0f}"])  # fmt: skip
+    if "tile" in steps:  # (only the rows --rows chose)
+        rows.append([title, "training step, tiled route", "det at K*B", ratio("tile", "det@KB"), count("tile", "det@KB"),
+                     mem("tile", "det@KB"), f"{seconds['det@KB'] * 1e3:.0f} / {seconds['tile'] * 1e3:.0f}"])  # fmt: skip
+    if "mixture" in steps:
+        rows.append([title, f"evaluation, mixture of {k}", "det at K*B", ratio("mixture", "det eval@KB"), count("mixture", "det eval@KB"),
+                     "-", f"{seconds['det eval@KB'] * 1e3:.0f} / {seconds['mixture'] * 1e3:.0f}"])  # fmt: skip
     if args.compile:  # what compiling costs, against compiling the original (the first call of each; an upper bound)
         # (the tiled step against the original's step at B: its step at K*B, compiled next, may reuse that graph with
         # a symbolic batch and take no time at all)
         pairs = [("sample", "det@B", "training step, default route"), ("tile", "det@B", "training step, tiled route"),
                  ("mixture", "det eval@KB", f"evaluation, mixture of {k}")]  # fmt: skip
         for a, b, figure in pairs:
-            if a in steps:
+            if a in steps and b in steps:
                 rows.append([title, f"compile time, {figure}", b.replace("@", " at ").replace("KB", "K*B"),
                              f"{first_call[a] / first_call[b]:.2f}", "-", "-", f"{first_call[b]:.0f} / {first_call[a]:.0f} s"])  # fmt: skip
     if "delta" in steps:
@@ -286,29 +302,29 @@ def recurrent_rows(args: argparse.Namespace, device: torch.device) -> list[list[
     return rows
 
 
-def profile(spec: str, args: argparse.Namespace, device: torch.device, amp: torch.dtype | None) -> str:
-    """Where a default-route training step's extra time goes: torch.profiler's op table, det vs rank-1."""
+def profile(steps: dict[str, Callable[[], None]], device: torch.device) -> str:
+    """Where a training step's extra time goes: torch.profiler's op table (on CUDA its kernels'), of each step as the
+    timing ran it (compiled ones too: then the table holds the graph's generated kernels)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    base, size = _model(spec, device)
-    x, y = _inputs(base, size, args.batch, device)
-    rank1 = bayesify.convert(copy.deepcopy(base), components=args.components, sampling=args.sampling, **_task(base))
-    steps = {"deterministic": make_step(base, x, y, amp=amp), "rank-1": make_step(rank1, x, y, kl=bayesify.kl_divergence, amp=amp)}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     out = []
     for name, step in steps.items():
-        for _ in range(3):
-            step()
+        step()
         with torch_profile(activities=activities) as prof:
             for _ in range(5):
                 step()
         events = prof.key_averages()
         calls = sum(e.count for e in events) / 5
         total = sum(e.self_cpu_time_total for e in events) / 5 / 1e3
-        out.append(f"### {name}: {calls:.0f} op calls per step, {total:.1f} ms of self CPU time per step\n")
-        out.append("```\n" + events.table(sort_by=sort, row_limit=12, max_name_column_width=40) + "```\n")
+        gpu = ""
+        if device.type == "cuda":
+            kernel_ms = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events) / 5 / 1e3
+            gpu = f", {kernel_ms:.1f} ms of GPU time per step"
+        out.append(f"### {name}: {calls:.0f} op calls per step, {total:.1f} ms of self CPU time per step{gpu}\n")
+        out.append("```\n" + events.table(sort_by=sort, row_limit=15, max_name_column_width=60) + "```\n")
     return "\n".join(out)
 
 
@@ -324,21 +340,17 @@ def main() -> None:
     parser.add_argument("--amp", choices=["bf16", "fp16"], help="autocast the forward to this dtype")
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
     parser.add_argument("--peers", action="store_true", help="add BatchEnsemble and bayesian-torch rows")
-    parser.add_argument("--default-route-only", action="store_true", help="only the default-route training row (compiled runs)")
+    parser.add_argument("--rows", default="sample,tile,mixture", help="the rank-1 rows, each timed with its yardstick: "
+                        "sample (training step, default route), tile (tiled route), mixture (evaluation)")
+    parser.add_argument("--default-route-only", action="store_true", help="= --rows sample (compiled runs)")
     parser.add_argument("--no-recurrent", dest="recurrent", action="store_false", help="skip the LSTM / GRU rows")
-    parser.add_argument("--profile", action="store_true", help="also print the op profile of the first model's steps")
+    parser.add_argument("--profile", action="store_true", help="also print the op profile of the first model's training steps")
     parser.add_argument("--foreach", action="store_true", help="the optimizer's foreach kernels (torch's GPU default) on every device")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = torch.device(args.device)
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.amp]
-
-    rows = []
-    for spec in args.models.split(","):
-        rows += model_rows(spec, args, device, amp)
-    if args.recurrent and not args.compile:
-        rows += recurrent_rows(args, device)
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {args.threads} threads"
     # on CUDA the per-row scalings run as Triton kernels with BAYESIFY_KERNELS=1 (off by default; bayesify/kernels): say which
@@ -351,12 +363,18 @@ def main() -> None:
           f"sampling={args.sampling}, median of {args.repeats}")  # fmt: skip
     print(f"command: python {' '.join(sys.argv)}\n")
     print("| model | figure | against | time x | ops x (yardstick / rank-1 per step) | memory x (held for backward) | ms (yardstick / rank-1) |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
-    if args.profile:
+    print("|---|---|---|---|---|---|---|", flush=True)
+    # each model's rows as soon as they are measured (a run cut short by a time limit keeps what it measured)
+    profiles: list[str] = []
+    for i, spec in enumerate(args.models.split(",")):
+        for row in model_rows(spec, args, device, amp, profiles if args.profile and i == 0 else None):
+            print("| " + " | ".join(row) + " |", flush=True)
+    if args.recurrent and not args.compile:
+        for row in recurrent_rows(args, device):
+            print("| " + " | ".join(row) + " |", flush=True)
+    if profiles:
         print(f"\n## Profile: {args.models.split(',')[0]}, B={args.batch}, one training step (mean of 5)\n")
-        print(profile(args.models.split(",")[0], args, device, amp))
+        print(profiles[0])
 
 
 if __name__ == "__main__":
