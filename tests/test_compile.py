@@ -295,3 +295,46 @@ def test_a_dynamic_compile_of_the_evaluation_mixture_serves_every_batch_size_wit
             x = torch.randn(batch, 6)
             torch.testing.assert_close(compiled(x), model(x))
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+class _Blocks(nn.Module):
+    """``depth`` identical blocks under a root of its own (as timm's and Hugging Face's models are: torch.compile
+    runs its hooks as frames of their own)."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(depth))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean(1))
+
+
+def _kernels_compiled(depth: int, converted: bool) -> int:
+    """How many kernels inductor writes for one training step of ``_Blocks(depth)`` (converted or not), forward and
+    backward."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Blocks(depth)
+    model = bayesify.convert(model, components=4, task="classification") if converted else model
+    compiled = torch.compile(model.train())
+
+    def step() -> None:
+        compiled(torch.randn(8, 5, 16)).logsumexp(-1).sum().backward()
+
+    _, sources = run_and_get_code(step)
+    return sum(source.count("= async_compile.") for source in sources)
+
+
+def test_compiled_repeated_blocks_share_their_kernels() -> None:
+    # a repeated block's layers read their draws at offset 0 (each its own piece of the pass's draws, taken in the
+    # root's pre-hook graph), so inductor writes one kernel for them all, as for the original network: a ViT-tiny
+    # step compiled 88 kernels where the original compiles 19 when each piece was a slice of its group, at an offset
+    # of its own in the forward graph (a kernel per layer: 30 -> 37 kernels here from 3 to 5 blocks, the original
+    # 13 -> 16). (ViT-tiny at 64 px, CPU: 88 -> 34 kernels, its step's compile time 101 -> 81 s against 30 s)
+    added = _kernels_compiled(5, True) - _kernels_compiled(3, True)
+    assert added <= _kernels_compiled(5, False) - _kernels_compiled(3, False), added

@@ -138,7 +138,13 @@ class ModelDraws:
                         continue
                     # kept for the pass: a recomputation in the backward pass makes a layer's values again from them
                     eps = draws.eps[(group.key, per)] = group.noise(count)
-                draws.full[(group.key, per)] = group.draw_all(loc, components, noise, scale, blocks, eps)
+                full = draws.full[(group.key, per)] = group.draw_all(loc, components, noise, scale, blocks, eps)
+                if torch.compiler.is_compiling():
+                    # split here, in the root's pre-hook (a graph of its own under torch.compile(model)): the
+                    # forward graph then gets each table's piece as an input of its own, read at offset 0, and
+                    # inductor writes one kernel for the layers of a repeated block (a slice at an offset of its
+                    # own in the forward graph is a kernel per layer: a ViT-tiny step compiled 88 kernels, not 34)
+                    draws.taken[(group.key, per, None)] = group.take(full)
         # (a compiled graph fuses the slices of its own: learning the takes would only recompile it)
         for (per, like), groups in needs.items():
             for key, slots in groups.items():
