@@ -165,10 +165,11 @@ def _inputs(base: nn.Module, size: int, batch: int, device: torch.device) -> tup
 
 def _rows(args: argparse.Namespace) -> list[str]:
     """The rank-1 rows ``--rows`` names (``--default-route-only``: the default-route step alone)."""
-    chosen = ["sample"] if args.default_route_only else [r.strip() for r in args.rows.split(",") if r.strip()]
+    rows = getattr(args, "rows", "sample,tile,mixture")
+    chosen = ["sample"] if getattr(args, "default_route_only", False) else [r.strip() for r in rows.split(",") if r.strip()]
     unknown = sorted(set(chosen) - {"sample", "tile", "mixture"})
     if unknown or not chosen:
-        raise SystemExit(f"--rows {args.rows!r}: choose from sample, tile, mixture (comma-separated), e.g. --rows sample,mixture")
+        raise SystemExit(f"--rows {rows!r}: choose from sample, tile, mixture (comma-separated), e.g. --rows sample,mixture")
     return chosen
 
 

@@ -39,6 +39,16 @@ def test_every_row_of_a_model_is_measured(spec: str) -> None:
     assert all(float(row[5]) > 0 for row in rows[:2])  # memory held for the backward pass
 
 
+def test_rows_time_only_what_was_chosen_and_unknown_rows_are_refused() -> None:
+    torch.manual_seed(0)
+    rows = overhead.model_rows("resnet18:32", _args(rows="mixture", peers=True), torch.device("cpu"), None)
+    figures = [row[1] for row in rows]
+    assert figures[0] == "evaluation, mixture of 4" and "training step, default route" not in figures
+    assert "BatchEnsemble training step" in figures  # the peers, against the original's step at B
+    with pytest.raises(SystemExit, match="--rows 'sampel'"):
+        overhead._rows(_args(rows="sampel"))
+
+
 def test_a_language_model_is_trained_on_next_tokens_in_every_route() -> None:
     pytest.importorskip("transformers")
     torch.manual_seed(0)
