@@ -167,6 +167,22 @@ def test_inductor_training_step_on_the_cpu_draws_eager_numbers() -> None:
     assert not torch.allclose(compiled(x), outputs[0])  # (the numbers are drawn, not baked into the graph)
 
 
+def test_inductor_keeps_the_order_of_a_passs_noise_draws() -> None:
+    # a sampled pass draws twice (a value per block, then per row) with no data between the two: inductor ordered
+    # them as it liked (in a training pass under torch.no_grad() the draw per row came first, taking the block's
+    # numbers: 0.29 off eager from one seed); each draw now takes the last as an input it does not read
+    model = bayesify.convert(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 5)), components=4,
+                             task="classification").train()  # fmt: skip
+    x = torch.randn(8, 6)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        eager = model(x)
+        torch.manual_seed(0)
+        torch.testing.assert_close(compiled(x), eager)
+
+
 # ---- replay safety: what a CUDA graph captures is what every pass runs (issue 27) ---------------------------------
 
 _HOST_READS = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "repeat_interleave", "is_nonzero", "equal")

@@ -52,15 +52,21 @@ def noise(family: Posterior, like: Tensor) -> Tensor:
     return noise_of(family, like.shape, like.dtype, like.device)
 
 
-def noise_of(family: Posterior, size: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """:func:`noise` of a shape, dtype and device (no tensor to take them from)."""
+def noise_of(
+    family: Posterior, size: Sequence[int], dtype: torch.dtype, device: torch.device, after: Tensor | None = None
+) -> Tensor:
+    """:func:`noise` of a shape, dtype and device (no tensor to take them from). ``after``: noise this draw must
+    follow in a compiled graph (the op's input, unused: inductor orders two draws with no data between them as it
+    likes, and the second would take the first's numbers), so the graph draws in eager's order."""
     if device.type == "cpu" and torch.compiler.is_compiling():
         # (the op takes the shape, not a tensor: a ``like`` made of expanded views is then never written out)
-        return torch.ops.bayesify.standard_noise(size, dtype, device, family is Posterior.CAUCHY)
+        return torch.ops.bayesify.standard_noise(size, dtype, device, family is Posterior.CAUCHY, after)
     return _standard_noise(size, dtype, device, family is Posterior.CAUCHY)
 
 
-def _standard_noise(size: Sequence[int], dtype: torch.dtype, device: torch.device, cauchy: bool) -> Tensor:
+def _standard_noise(
+    size: Sequence[int], dtype: torch.dtype, device: torch.device, cauchy: bool, after: Tensor | None = None
+) -> Tensor:
     if cauchy:
         return torch.empty(size, dtype=dtype, device=device).cauchy_()
     return torch.randn(size, dtype=dtype, device=device)  # (one op; randn_like's very numbers)
@@ -73,12 +79,12 @@ def _standard_noise(size: Sequence[int], dtype: torch.dtype, device: torch.devic
 if not hasattr(torch.ops.bayesify, "standard_noise"):  # (once per process: a reload of this module keeps the op)
     torch.library.define(
         "bayesify::standard_noise",
-        "(SymInt[] size, ScalarType dtype, Device device, bool cauchy) -> Tensor",
+        "(SymInt[] size, ScalarType dtype, Device device, bool cauchy, Tensor? after=None) -> Tensor",
         tags=(torch.Tag.nondeterministic_seeded,),
     )
     torch.library.impl("bayesify::standard_noise", "CompositeExplicitAutograd")(_standard_noise)
     torch.library.register_fake("bayesify::standard_noise")(
-        lambda size, dtype, device, cauchy: torch.empty(size, dtype=dtype, device=device)
+        lambda size, dtype, device, cauchy, after=None: torch.empty(size, dtype=dtype, device=device)
     )
 
 

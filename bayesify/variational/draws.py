@@ -105,6 +105,7 @@ class ModelDraws:
         every = fixed == tuple(range(self.components))
         draws = PassDraws(self, noise, rows, blocks, block_components, every, signature)
         scales: dict = {}  # group number: its posterior scale, shared by the draws per block and per row
+        last = None  # the pass's last noise drawn: each draw follows it (a compiled graph then draws in this order)
         # a traced pass (torch.compile, torch.export; its batch may be symbolic) neither learns nor takes ahead
         needs = {} if torch.compiler.is_compiling() else self.needs.get(signature, {})
         for per in (BLOCKS, ROWS):
@@ -126,7 +127,7 @@ class ModelDraws:
                 loc = self._joined(draws, group, "loc")
                 if loc is None:  # not joined this pass: only the random numbers now (the module doc)
                     if noise and group.sampled:
-                        draws.eps[(group.key, per)] = group.noise(count)
+                        last = draws.eps[(group.key, per)] = group.noise(count, last)
                     continue
                 scale = eps = None
                 if noise and group.sampled:
@@ -137,7 +138,7 @@ class ModelDraws:
                     if scale is None:
                         continue
                     # kept for the pass: a recomputation in the backward pass makes a layer's values again from them
-                    eps = draws.eps[(group.key, per)] = group.noise(count)
+                    eps = last = draws.eps[(group.key, per)] = group.noise(count, last)
                 full = draws.full[(group.key, per)] = group.draw_all(loc, components, noise, scale, blocks, eps)
                 if torch.compiler.is_compiling():
                     # split here, in the root's pre-hook (a graph of its own under torch.compile(model)): the

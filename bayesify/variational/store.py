@@ -195,14 +195,15 @@ class TableGroup:
                 value = F.hardtanh(value, -options.clip, options.clip)
         return value
 
-    def noise(self, rows: int) -> Tensor | None:
+    def noise(self, rows: int, after: Tensor | None = None) -> Tensor | None:
         """The random numbers :meth:`draw_all` would take for ``rows`` values of every table, ``[rows, total]``,
         drawn alone: for a pass whose tables cannot be joined (FSDP2 shards them until each block's forward),
-        so that each layer's values (:meth:`draw_one`) are the very ones a joined draw would give."""
+        so that each layer's values (:meth:`draw_one`) are the very ones a joined draw would give. ``after``: the
+        pass's previous draw (:func:`~bayesify.variational.distributions.noise_of`: a compiled graph's order)."""
         first = self._tensor(0, "loc")
         if not self.sampled or first is None:
             return None
-        return distributions.noise_of(self.options.posterior, (rows, sum(self.sizes)), first.dtype, first.device)
+        return distributions.noise_of(self.options.posterior, (rows, sum(self.sizes)), first.dtype, first.device, after)
 
     def draw_one(self, slot: int, components: Tensor | None, eps: Tensor) -> Tensor:
         """Table ``slot``'s values per entry of ``components`` from its columns of :meth:`noise`: what
