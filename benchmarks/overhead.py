@@ -183,22 +183,21 @@ def model_rows(
     x, y = _inputs(base, size, batch, device)
     x_tiled, y_tiled = torch.cat([x] * k), torch.cat([y] * k)
     rank1 = bayesify.convert(copy.deepcopy(base), components=k, sampling=args.sampling, **_task(base))
-    tiled = copy.deepcopy(rank1)
     options = dict(amp=amp, compile=args.compile)
     train_options = dict(options, foreach=True if getattr(args, "foreach", False) else None)
-    steps = {
-        "det@B": make_step(copy.deepcopy(base), x, y, **train_options),
-        "det@KB": make_step(copy.deepcopy(base), x_tiled, y_tiled, **train_options),
-        "det eval@KB": make_eval(copy.deepcopy(base), x_tiled, **options),
-        "sample": make_step(rank1, x, y, kl=bayesify.kl_divergence, **train_options),
-        "tile": make_step(tiled, x, y, route="tile", kl=bayesify.kl_divergence, **train_options),
-        "mixture": make_eval(copy.deepcopy(rank1), x, **options),
+    makers = {  # each made only where its row was chosen (a copy of the model each)
+        "det@B": lambda: make_step(copy.deepcopy(base), x, y, **train_options),
+        "det@KB": lambda: make_step(copy.deepcopy(base), x_tiled, y_tiled, **train_options),
+        "det eval@KB": lambda: make_eval(copy.deepcopy(base), x_tiled, **options),
+        "sample": lambda: make_step(copy.deepcopy(rank1), x, y, kl=bayesify.kl_divergence, **train_options),
+        "tile": lambda: make_step(copy.deepcopy(rank1), x, y, route="tile", kl=bayesify.kl_divergence, **train_options),
+        "mixture": lambda: make_eval(copy.deepcopy(rank1), x, **options),
     }
     # each row chosen with its yardstick (a compiled run compiles every step once: choose what to pay for)
     chosen = _rows(args)
     yardsticks = {"sample": "det@B", "tile": "det@KB", "mixture": "det eval@KB"}
     keep = set(chosen) | {yardsticks[c] for c in chosen} | ({"det@B"} if args.peers else set())  # peers: against det at B
-    steps = {name: step for name, step in steps.items() if name in keep}
+    steps = {name: make() for name, make in makers.items() if name in keep}
     if args.peers:
         be = bayesify.convert(copy.deepcopy(base), components=k, posterior="delta", sampling=args.sampling, **_task(base))
         steps["delta"] = make_step(be, x, y, **train_options)

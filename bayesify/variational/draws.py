@@ -146,7 +146,7 @@ class ModelDraws:
                     # inductor writes one kernel for the layers of a repeated block (a slice at an offset of its
                     # own in the forward graph is a kernel per layer: a ViT-tiny step compiled 88 kernels, not 34)
                     draws.taken[(group.key, per, None)] = group.take(full)
-        # (a compiled graph fuses the slices of its own: learning the takes would only recompile it)
+        # what the layers took in passes like this one, taken ahead (never in a graph: learning would recompile it)
         for (per, like), groups in needs.items():
             for key, slots in groups.items():
                 full = self._full(draws, key, per)
