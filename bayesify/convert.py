@@ -33,8 +33,9 @@ from bayesify.model_state import ATTRIBUTE, ConversionReport, ModelState, Skip, 
 from bayesify.predictive.libraries import infer_task
 from bayesify.predictive.tasks import Auto, Task, resolve_task
 from bayesify.variational import store
+from bayesify.variational.factor import Rank1Factor
 
-__all__ = ["ConversionReport", "Skip", "SkipKind", "convert", "default_mapping", "revert"]
+__all__ = ["ConversionReport", "Skip", "SkipKind", "added_after_conversion", "convert", "default_mapping", "revert"]
 
 # {source type: converted layer}; subclasses of a source type are converted by the same class.
 _DEFAULT_MAPPING: dict[type[nn.Module], type[ConvertedLayer]] = {
@@ -138,6 +139,21 @@ def static_skip(module: nn.Module) -> Skip | None:
     )
 
 
+def added_after_conversion(root: nn.Module, skipped: Mapping[str, Skip]) -> dict[str, Skip]:
+    """The weight-bearing modules of ``root`` (a converted root) that are not converted and that conversion did
+    not leave deterministic on purpose (``skipped``, its report): put there since, as a head that
+    ``reset_classifier`` or ``resize_token_embeddings`` made, or a block a user added. Norm layers are not
+    counted (deterministic by design), nor what lies inside a converted layer."""
+    layer_names = [name for name, _ in rank1_layers(root)]
+    added = {}
+    for name, module in root.named_modules():
+        if isinstance(module, (ConvertedLayer, Rank1Factor)) or name in skipped or inside(name, layer_names):
+            continue
+        if is_weight_bearing(module) and static_skip(module) is not None:
+            added[name] = Skip(SkipKind.ADDED_LATER, f"{type(module).__name__} is not converted (added after conversion?)")
+    return added
+
+
 def convert(
     model: nn.Module,
     config: Rank1Config | None = None,
@@ -165,7 +181,8 @@ def convert(
         config: a :class:`~bayesify.Rank1Config` (default: the defaults); ``**options`` override it.
         include: fnmatch patterns of module names to convert (a pattern covers everything
             below the module it names); default: all.
-        exclude: fnmatch patterns of module names to leave deterministic.
+        exclude: fnmatch patterns of module names to leave deterministic (on a converted model, a module put in
+            since, such as a new head, that is to stay deterministic: said so, it is not warned of).
         mapping: ``{layer type: converted layer class}``; default :func:`default_mapping`.
         **options: the conversion options, each a field of :class:`~bayesify.Rank1Config`:
 
@@ -284,6 +301,8 @@ def _plan(
         )
     if not plan:
         if next(rank1_layers(model), None) is not None:
+            if any(skip.kind is SkipKind.EXCLUDED for skip in skipped.values()):
+                return plan, skipped  # a second call that says which new modules stay deterministic (the report)
             raise ValueError(
                 f"{type(model).__name__} is already converted and nothing new matched; it was left unchanged. "
                 "To change options, call bayesify.revert(model) and convert again."

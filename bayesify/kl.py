@@ -9,11 +9,14 @@ examples for the per-example ELBO term.
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import torch
 from torch import Tensor, nn
 
+from bayesify.convert import added_after_conversion
 from bayesify.inspection import rank1_layers
+from bayesify.layers.base import ConvertedLayer
 from bayesify.variational.divergence import total_kl
 
 __all__ = ["kl_divergence", "kl_loss"]
@@ -36,11 +39,36 @@ def kl_divergence(model: nn.Module) -> Tensor:
         raise ValueError(
             f"{type(model).__name__} has no rank-1 layers, so it has no KL term; call bayesify.convert(model) first."
         )
+    if not torch.compiler.is_compiling():
+        _warn_added_after_conversion(layers)
     total = total_kl(term for layer in layers for term in layer.rank1_kl_terms())
     if total is None:  # only delta posteriors (BatchEnsemble)
         first = next((p for layer in layers for p in layer.rank1_parameters()), None)
         return torch.zeros(()) if first is None else first.new_zeros(())
     return total  # (a sharded model's tables are summed over the ranks in total_kl: counted once in all)
+
+
+def _warn_added_after_conversion(layers: list[ConvertedLayer]) -> None:
+    """Warn, once per module, where a weight-bearing module was put in the model after :func:`~bayesify.convert`
+    (a head that ``reset_classifier`` or ``resize_token_embeddings`` made, replacing a converted one): it trains as
+    a plain layer that the K members share, which nothing else would say. Looked for again only when the set of
+    converted layers changed since the last step (their identities, from the walk this step made anyway)."""
+    state = layers[0].rank1_state.model
+    seen = tuple(map(id, layers))
+    if state.checked_layers == seen or state.root is None:
+        return
+    state.checked_layers = seen
+    for name, skip in added_after_conversion(state.root, state.report.skipped).items():
+        if f"added {name}" not in state.warned:
+            state.warned.add(f"added {name}")
+            kind = skip.message.split(" ", 1)[0]
+            warnings.warn(
+                f"{name} ({kind}) was put in {type(state.root).__name__} after bayesify.convert and is not rank-1: its "
+                "K members share it. Call bayesify.convert(model) again to convert it (the converted layers keep their "
+                f"values; make the optimizer after it), or bayesify.convert(model, exclude=[{name!r}]) to keep it "
+                "deterministic and say so.",
+                stacklevel=3,
+            )
 
 
 def kl_loss(model: nn.Module, num_train: int, *, step: int | None = None, warmup_steps: int = 0) -> Tensor:

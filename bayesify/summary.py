@@ -12,12 +12,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from bayesify._weight_uses import WeightUses, watched_parameters
-from bayesify.convert import default_mapping, is_weight_bearing, static_skip
-from bayesify.inspection import inside, rank1_layers
-from bayesify.layers.base import ConvertedLayer
+from bayesify.convert import added_after_conversion, default_mapping
+from bayesify.inspection import rank1_layers
 from bayesify.mode import mode
-from bayesify.model_state import Skip, SkipKind, model_state
-from bayesify.variational.factor import Rank1Factor
+from bayesify.model_state import Skip, model_state
 
 __all__ = ["Summary", "summary"]
 
@@ -103,13 +101,7 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     report.added_parameters = sum(p.numel() for p in model.parameters() if id(p) in added_ids)
     report.original_parameters = sum(p.numel() for p in model.parameters() if id(p) not in added_ids)
 
-    skips: dict[str, Skip] = dict(state.report.skipped)
-    layer_names = [name for name, _ in rank1_layers(model)]
-    for name, module in model.named_modules():
-        if isinstance(module, (ConvertedLayer, Rank1Factor)) or name in skips or inside(name, layer_names):
-            continue
-        if is_weight_bearing(module) and static_skip(module) is not None:
-            skips[name] = Skip(SkipKind.ADDED_LATER, f"{type(module).__name__} is not converted (added after conversion?)")
+    skips: dict[str, Skip] = {**state.report.skipped, **added_after_conversion(model, state.report.skipped)}
     report.skipped = {name: skip.message for name, skip in skips.items()}
     report._guessed = {name for name, skip in skips.items() if skip.guessed}
 

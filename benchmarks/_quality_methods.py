@@ -42,6 +42,7 @@ tasks: with its new head, the same weights for every method of a seed):
 | ``ft-rank1-flr10`` | ``ft-rank1`` with the rank-1 parameters (``bayesify.rank1_parameters``) at 10x the learning rate (lever study) | as ``rank1`` | K |
 | ``ft-rank1-prior0.3`` | ``bayesify.convert(pretrained, prior_std=0.3)`` (the default's depth rule gives about 0.13 for the ResNet-8), everything fine-tuned (lever study) | as ``rank1`` | K |
 | ``ft-rank1-flr10-prior0.3`` | both: ``prior_std=0.3`` and the rank-1 parameters at 10x the learning rate (lever study) | as ``rank1`` | K |
+| ``ft-rank1-tiled`` | ``ft-rank1`` trained in the tiled route (every member on every example, the mean per-component NLL; the reference's layout; K x the step) | mean over K of NLL (tile route) + w(t) KL / N | K |
 | ``ft-rank1-sampled`` | the ``ft-rank1`` run itself | - | K x M = 4 x 4 samples |
 | ``ft-rank1-factors`` | the adapter: ``convert`` + ``bayesify.freeze_base`` (and the new head trains, where there is one) | as ``rank1`` | K |
 | ``ft-rank1-factors-sampled`` | the ``ft-rank1-factors`` run itself | - | 4 x 4 samples |
@@ -536,7 +537,7 @@ OPTIONAL_METHODS = {"bayesian-torch": "bayesian-torch", "ft-laplace": "laplace-t
 # run only when named (--methods): one-off questions, answered in benchmarks/results/
 STUDY_METHODS = (
     "ft-rank1-spread", "ft-rank1-headsign", "ft-rank1-headnormal",
-    "ft-rank1-flr10", "ft-rank1-prior0.3", "ft-rank1-flr10-prior0.3",
+    "ft-rank1-flr10", "ft-rank1-prior0.3", "ft-rank1-flr10-prior0.3", "ft-rank1-tiled",
 )  # fmt: skip
 
 
@@ -584,6 +585,8 @@ FINETUNE_METHODS: list[Method] = [
           from_pretrained=True),
     Rank1(key="ft-rank1-flr10-prior0.3", label="rank-1 fine-tune, prior_std=0.3 and rank-1 parameters at 10x the "
           "learning rate", convert_kwargs={"prior_std": 0.3}, from_pretrained=True, factor_lr=10.0),
+    Rank1(key="ft-rank1-tiled", label="rank-1 fine-tune, tiled route (the reference's layout: every member sees "
+          "every example)", route="tile", from_pretrained=True),
     Rank1(key="ft-rank1-sampled", label="rank-1 fine-tune, the same nets evaluated with 4 samples per component",
           from_pretrained=True, eval_noise=True, builds_on="ft-rank1", post_hoc=True),
     Rank1(key="ft-rank1-factors", label="rank-1 adapter (freeze_base; a new head trains too)", from_pretrained=True,

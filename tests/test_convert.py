@@ -155,6 +155,31 @@ def test_second_conversion_neither_stacks_nor_breaks() -> None:
     assert all(type(layer).__mro__.count(Rank1Layer) == 1 for _, layer in bayesify.rank1_layers(net))
 
 
+def test_a_head_put_in_after_conversion_is_named_once_with_the_fix() -> None:
+    # timm's reset_classifier (or transformers' resize_token_embeddings) after convert makes a plain head that the K
+    # members share, trained as it is with nothing said: the training step's KL names it and the two ways out
+    import warnings
+
+    model = timm.create_model("resnet10t", num_classes=10)
+    bayesify.convert(model)
+    kept = model.conv1[0].rank1_s.loc.detach().clone()
+    model.reset_classifier(5)
+    with pytest.warns(UserWarning, match=r"fc \(Linear\) was put in ResNet after bayesify.convert .* exclude=\['fc'\]"):
+        bayesify.kl_loss(model, 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bayesify.kl_loss(model, 100)  # once
+        bayesify.convert(model)  # converts the new head; the others keep their values
+        assert isinstance(model.fc, Rank1Linear) and torch.equal(model.conv1[0].rank1_s.loc, kept)
+        bayesify.kl_loss(model, 100)
+    model.reset_classifier(3)
+    bayesify.convert(model, exclude=["fc"])  # kept deterministic, and said: in the report, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bayesify.kl_loss(model, 100)
+    assert "excluded" in bayesify.summary(model).skipped["fc"]
+
+
 def test_converting_a_part_then_the_whole_uses_one_routing() -> None:
     net = _mlp()
     bayesify.convert(net[2])  # a part converted on its own first

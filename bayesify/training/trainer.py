@@ -442,7 +442,10 @@ class Trainer:
             run.log.write({"kind": "eval", "split": "test", "step": self.step, "epoch": self.epoch, **metrics})
             if self.config.progress is not False:
                 shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-                print(f"epoch {self.epoch}/{self.config.epochs} step {self.step}: test {shown}", flush=True)
+                # a run that --max-steps ends inside an epoch has done a fraction of it: say so, not "epoch 0"
+                done = self.step / run.steps_per_epoch
+                epochs = f"{done:.0f}" if done == int(done) else f"{done:.2f}"
+                print(f"epoch {epochs}/{self.config.epochs} step {self.step}: test {shown}", flush=True)
         else:
             self.results = {"rank": run.dist.rank}
         run.dist.barrier()

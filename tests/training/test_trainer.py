@@ -222,3 +222,10 @@ def test_the_trainer_trains_on_a_tuple_or_dict_outputs_logits(tmp_path, digits, 
         bayesify.convert(net, task={"logits" if as_dict else 0: "classification"} if net is model else "classification")
         results.append(Trainer(_config(tmp_path, name, epochs=1), net, digits).run())
     assert results[0]["nll"] == pytest.approx(results[1]["nll"], rel=1e-6)
+
+
+def test_a_run_max_steps_ends_inside_an_epoch_says_the_fraction_done(tmp_path, digits, capsys):
+    # --max-steps 3 of an epoch of 10 steps printed "epoch 0/2 step 3": the test line says how far the run got
+    _train(_config(tmp_path, max_steps=3, progress=True), digits)
+    line = next(s for s in capsys.readouterr().out.splitlines() if ": test " in s)
+    assert line.startswith("epoch 0.30/2 step 3: test "), line
