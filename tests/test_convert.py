@@ -371,3 +371,15 @@ def test_a_second_conversion_with_other_model_wide_options_names_what_was_conver
 
     with pytest.raises(ValueError, match=r"^a part of Outer \(holding 'inner.0'\) was converted with components=2"):
         bayesify.convert(Outer(), components=4)
+
+
+def test_an_untied_lm_head_that_resize_token_embeddings_replaced_is_named() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=32,
+                                     tie_word_embeddings=False)  # fmt: skip
+    model = bayesify.convert(transformers.GPT2LMHeadModel(config))
+    model.resize_token_embeddings(60, mean_resizing=False)  # a new, plain lm_head
+    with pytest.warns(UserWarning, match=r"lm_head \(Linear\) was put in GPT2LMHeadModel after bayesify.convert"):
+        bayesify.kl_loss(model, 100)
+    bayesify.convert(model)
+    assert isinstance(model.lm_head, bayesify.layers.Rank1Layer)
