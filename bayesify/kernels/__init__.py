@@ -82,9 +82,11 @@ def _plain(t: Tensor) -> bool:
 def _usable(*tensors: Tensor | None) -> bool:
     """Whether the kernels may run on these tensors (the caller sees that no graph is recorded through them:
     they run inside autograd Functions, or without gradients)."""
+    if torch.compiler.is_compiling() or not enabled() or torch.jit.is_tracing():  # (first: off is the default)
+        return False
     present = [t for t in tensors if t is not None]
     device = present[0].device
-    if device.type not in _DEVICES or torch.compiler.is_compiling() or torch.jit.is_tracing() or not enabled():
+    if device.type not in _DEVICES:
         return False
     if getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
         return False  # forward-mode AD: tangents would be dropped

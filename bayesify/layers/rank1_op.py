@@ -172,8 +172,18 @@ def _row_shape(v: Tensor, ndim: int, batch_axis: int | None, channel_axis: int) 
 
 def _grad_wanted(*tensors: Tensor | None) -> bool:
     # forward-mode AD takes the plain ops (the Functions define no jvp: torch.compile does not trace one)
-    forward_ad = getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
-    return torch.is_grad_enabled() and not forward_ad and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled() or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0:
+        return False
+    for t in tensors:  # (a loop, not any() of a generator: Dynamo traces this for every layer, and a loop faster)
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+def _function_wanted(*tensors: Tensor | None) -> bool:
+    # the scalings as Functions of their own (fewer ops held and run eagerly); a traced graph takes the plain ops,
+    # whose backward AOTAutograd derives as well, without tracing a Function's forward and backward for each layer
+    return not torch.compiler.is_compiling() and _grad_wanted(*tensors)
 
 
 def _to_rows(t: Tensor, rows: torch.Size, shape: tuple[int, ...] | None) -> Tensor:
@@ -195,7 +205,7 @@ def _scale(
     s_b = s if shape is None else s.view(shape)
     fused = kernels.plan(x, s_b, None, batch_axis, channel_axis)
     product = torch.mul if fused is None else functools.partial(kernels.scale_shift, fused)
-    if _grad_wanted(x, s):
+    if _function_wanted(x, s):
         return _Scale.apply(x, s_b, fused), s_b, product
     return product(x, s_b), s_b, product
 
@@ -213,7 +223,7 @@ def _scale_shift(
     r_b = r if shape is None else r.view(shape)
     offset_b = offset if offset is None or offset_shape is None else offset.view(offset_shape)
     fused = kernels.plan(out, r_b, offset_b, batch_axis, channel_axis)
-    if _grad_wanted(out, r, offset):
+    if _function_wanted(out, r, offset):
         return _ScaleShift.apply(out, r, offset, shape, offset_shape, fused)
     if fused is not None:
         return kernels.scale_shift(fused, out, r_b, offset_b)

@@ -323,16 +323,20 @@ class Draw:
 
     def _ahead(self, slots: list, per: str, like: tuple | None = None) -> list[Tensor] | None:
         """The values drawn ahead for these ``(group, slot)`` s, shaped for this call's rows; None if any was not."""
-        if self.draws is None or self.layer is None or any(slot is None for slot in slots):
+        if self.draws is None or self.layer is None:
             return None
+        for slot in slots:  # (loops, not any() of a generator: Dynamo traces this for every layer call)
+            if slot is None:
+                return None
         if like is not None:
             ndim, batch_axis, channel_axis = like
             like = (ndim, batch_axis % ndim, channel_axis % ndim)
             if self.repeat != 1 or self.first_only or per != ROWS or like[1] >= like[2]:
                 like = None  # only the routed rows themselves, with the batch before the channels, come shaped
         values = [self.draws.take(group, index, per, like, again=self.recompute) for group, index in slots]
-        if any(v is None for v in values):
-            return None
+        for value in values:
+            if value is None:
+                return None
         if self.first_only:  # a batch-independent call: its rows all take the first row's (or block's) values
             return [v[:1] if per == BLOCKS else v[:1].expand(self.rows.shape[0], -1) for v in values]
         if self.repeat == 1 or per == BLOCKS:
