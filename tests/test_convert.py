@@ -270,6 +270,46 @@ def test_parametrized_and_pruned_layers(wrap, make, shape) -> None:
     assert layer.rank1_s.grad() is not None and layer.rank1_s.grad().abs().sum() > 0
 
 
+class _PlusOne(nn.Module):
+    def forward(self, b: torch.Tensor) -> torch.Tensor:
+        return b + 1.0
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda m: torch.nn.utils.prune.l1_unstructured(m, "bias", amount=1),
+        lambda m: torch.nn.utils.parametrize.register_parametrization(m, "bias", _PlusOne()),
+    ],
+    ids=["prune", "parametrize"],
+)
+@pytest.mark.parametrize("before", [True, False], ids=["before convert", "after convert"])
+@pytest.mark.parametrize("make,shape", [(lambda: nn.Linear(6, 4), (3, 6)), (lambda: nn.Conv2d(3, 4, 3), (2, 3, 7, 7))])
+def test_a_pruned_or_parametrized_bias_is_the_bias_the_layer_adds(wrap, before, make, shape) -> None:
+    # the converted layer read the bias from _parameters alone, where pruning or a parametrization leaves none:
+    # it computed W x with no bias at all, silently
+    torch.manual_seed(0)
+    plain, layer = make().eval(), make().eval()
+    layer.load_state_dict(plain.state_dict())
+    wrap(plain)
+    if before:
+        wrap(layer)
+    bayesify.convert(layer, components=2, task="regression")
+    if not before:
+        wrap(layer)
+    x = torch.randn(*shape)
+    torch.testing.assert_close(layer(x), plain(x))
+    with bayesify.mode(layer, route="tile", noise=False):
+        torch.testing.assert_close(layer(x), torch.cat([plain(x), plain(x)]))
+    layer.train()
+    layer(x).sum().backward()
+    raw = layer.bias_orig if hasattr(layer, "bias_orig") else layer.parametrizations.bias.original
+    assert raw.grad is not None and raw.grad.abs().sum() > 0
+    if not hasattr(layer, "bias_orig"):  # (a pruned module after a forward pass cannot be deep-copied: torch's limit)
+        with pytest.raises(ValueError, match=r"bias is computed .* Remove it first .*remove_parametrizations"):
+            bayesify.merge(layer, component=0)
+
+
 def test_num_components_of_a_model_its_parts_and_a_plain_model():
     net = bayesify.convert(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.LSTM(4, 2)), components=3)
     assert bayesify.num_components(net) == 3

@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from bayesify.config import LayerOptions
 from bayesify.layers._intercept import split_call
-from bayesify.layers.base import Draw, Rank1Layer
+from bayesify.layers.base import Draw, Rank1Layer, computed, layer_bias
 from bayesify.layers.folded import fold_weight, fold_weights, rank1_folded, run_blocks
 from bayesify.layers.rank1_op import KnownMap, rank1_affine, with_bias
 from bayesify.options import Perturbation, Sampling
@@ -109,10 +109,14 @@ class Rank1Affine(Rank1Layer):
         (timm's ``StdConv2d`` standardises it), so its member is not ``W o (r s^T)``.
         """
         base = type(self).__rank1_base__
-        if "weight" not in self._parameters:
-            raise ValueError(
-                f"{base.__name__}'s weight is computed (a parametrization): there is no raw weight to fold into"
-            )
+        for name in ("weight", "bias"):
+            if computed(self, name) or name == "weight" and "weight" not in self._parameters:
+                raise ValueError(
+                    f"{base.__name__}'s {name} is computed (a parametrization, such as weight norm, or pruning): "
+                    f"there is no raw {name} to fold the factors into. Remove it first "
+                    f"(torch.nn.utils.parametrize.remove_parametrizations(layer, {name!r}), or "
+                    f"torch.nn.utils.prune.remove(layer, {name!r})), or convert(..., exclude=[...]) this layer"
+                )
         if base.forward not in self.rank1_merge_forwards:
             raise ValueError(
                 f"{base.__name__} has a forward of its own ({base.__module__}.{base.__qualname__}.forward), which may "
@@ -157,7 +161,7 @@ class Rank1Affine(Rank1Layer):
         # a plain torch layer whose weight is a Parameter (not a parametrization / pruning mask)
         if base.forward in self.rank1_known_forwards and not args and not kwargs and "weight" in self._parameters:
             return self._rank1_apply(
-                input, self.rank1_core, self._parameters.get("bias"), core_adds_bias=False, fold=self.rank1_fold(),
+                input, self.rank1_core, layer_bias(self), core_adds_bias=False, fold=self.rank1_fold(),
                 known=self.rank1_known_map(input),
             )  # fmt: skip
 
@@ -172,7 +176,7 @@ class Rank1Affine(Rank1Layer):
             finally:
                 state.busy = False
 
-        return self._rank1_apply(input, core, self._parameters.get("bias"), core_adds_bias=True)
+        return self._rank1_apply(input, core, layer_bias(self), core_adds_bias=True)
 
     def _rank1_apply(
         self,

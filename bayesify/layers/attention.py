@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from bayesify.config import LayerOptions
-from bayesify.layers.base import Draw, Rank1Layer
+from bayesify.layers.base import Draw, Rank1Layer, layer_bias
 from bayesify.layers.folded import fold_weight
 from bayesify.layers.rank1_op import rank1_affine
 from bayesify.options import Perturbation
@@ -249,7 +249,7 @@ class Rank1MultiheadAttention(Rank1Layer):
         v = self._rank1_project(value, "v", w_v, b_v, draw)
         attn, weights = self._rank1_attend(q, k, v, key_padding_mask, attn_mask, need_weights, average_attn_weights, is_causal)
         out_proj = self.out_proj
-        out = self._rank1_project(attn, "out", out_proj._parameters["weight"], out_proj._parameters.get("bias"), draw)
+        out = self._rank1_project(attn, "out", out_proj._parameters["weight"], layer_bias(out_proj), draw)
         if not is_batched:
             out = out.squeeze(1)
             weights = weights.squeeze(0) if weights is not None else None

@@ -73,6 +73,19 @@ def rank1_class(layer_class: type["ConvertedLayer"], base: type[nn.Module]) -> t
     return _GENERATED[key]
 
 
+def layer_bias(module: nn.Module, name: str = "bias") -> Tensor | None:
+    """The bias ``module`` adds: its Parameter (None with ``bias=False``), or the value a parametrization or
+    pruning computes in the Parameter's place (``_parameters`` alone would read as no bias at all)."""
+    if name in module._parameters:
+        return module._parameters[name]
+    return getattr(module, name, None)
+
+
+def computed(module: nn.Module, name: str) -> bool:
+    """Whether ``module.<name>`` is computed (a parametrization, pruning's mask) rather than a Parameter."""
+    return name not in module._parameters and getattr(module, name, None) is not None
+
+
 def _parameter(module: nn.Module, name: str) -> nn.Parameter | None:
     """The parameter ``name`` (dotted, relative to ``module``) or None, without ``__getattr__``."""
     module_name, _, param = name.rpartition(".")

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from bayesify.config import LayerOptions
-from bayesify.layers.base import Rank1Layer
+from bayesify.layers.base import Rank1Layer, layer_bias
 from bayesify.layers.rank1_op import broadcast_rows, rank1_affine
 from bayesify.options import Perturbation
 
@@ -73,7 +73,7 @@ class Rank1Bilinear(Rank1Layer):
         additive = self.rank1_options.perturbation is Perturbation.ADDITIVE
         s2 = broadcast_rows(draw.sample(self.rank1_s2).to(input2.dtype), input2.dim(), axis, -1)
         x2 = input2 + s2 if additive else input2 * s2
-        bias = self._parameters.get("bias")
+        bias = layer_bias(self)
         offset = None if bias is None else bias + draw.gather("rank1_bias")
         weight = self._parameters["weight"]
         return rank1_affine(
