@@ -92,16 +92,25 @@ _TORCHVISION_HEADS = ("fc", "classifier", "heads", "head")  # ResNet / RegNet; V
 
 def _torchvision_classes(model: nn.Module) -> int | None:
     """The number of classes a torchvision classifier's head gives: its last Linear's outputs (SqueezeNet's: a 1x1
-    convolution's); 0 where the head was removed (``model.fc = nn.Identity()``, the usual way to take embeddings:
-    features, which the model no longer states to be logits); None where no head is found."""
+    convolution's, then a ReLU and a pooling); 0 where the head was removed (``model.fc = nn.Identity()``, the usual
+    way to take embeddings, or its last Linear cut off: ``classifier[-1] = nn.Identity()``, ``classifier[:-1]``,
+    which leaves a hidden Linear of MobileNetV3 or VGG last but one): features, which the model no longer states to
+    be logits; None where no head is found."""
     for name in _TORCHVISION_HEADS:
         head = getattr(model, name, None)
         if not isinstance(head, nn.Module):
             continue
-        last = [m for m in head.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
-        if not last:
+        order = list(head.modules())
+        maps = [i for i, m in enumerate(order) if isinstance(m, (nn.Linear, nn.Conv2d))]
+        if not maps:
             return 0
-        return last[-1].out_features if isinstance(last[-1], nn.Linear) else last[-1].out_channels
+        last = order[maps[-1]]
+        inner = {id(m) for m in last.modules()}  # (a converted layer's factors are modules of their own)
+        if isinstance(last, nn.Linear) and any(
+            id(m) not in inner and next(m.children(), None) is None for m in order[maps[-1] + 1 :]
+        ):
+            return 0  # a module after the last Linear: the classes' Linear was taken off, a hidden one is left
+        return last.out_features if isinstance(last, nn.Linear) else last.out_channels
     return None
 
 

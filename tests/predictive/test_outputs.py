@@ -81,6 +81,21 @@ def test_a_torchvision_classifier_whose_head_was_removed_is_refused_not_softmaxe
     setattr(bare, head, nn.Identity())
     assert infer_task(bare) is None
 
+
+@pytest.mark.parametrize("cut", ["last Identity", "sliced"])
+@pytest.mark.parametrize("name", ["mobilenet_v3_small", "vgg11"])
+def test_a_torchvision_head_whose_last_linear_was_cut_off_states_no_task(name: str, cut: str) -> None:
+    # classifier[-1] = Identity() (or classifier[:-1]) leaves a hidden Linear last but one: it was read as the head,
+    # and the 1024 features were log-softmaxed as "classes", silently; the model now states nothing, and says so
+    torchvision = pytest.importorskip("torchvision")
+    with torch.device("meta"):
+        model = getattr(torchvision.models, name)(num_classes=5)
+    if cut == "last Identity":
+        model.classifier[-1] = nn.Identity()
+    else:
+        model.classifier = model.classifier[:-1]
+    assert infer_task(model) is None
+
 def test_a_new_head_the_model_states_is_its_logits() -> None:
     model = _timm_classifier(10)
     model.reset_classifier(5)  # timm now states 5 classes: a classifier still
