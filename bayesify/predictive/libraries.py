@@ -170,6 +170,13 @@ _NUM_LABELS_HEADS = (
 )
 
 
+def _one_label_regresses(kind: str) -> bool:
+    """Whether a head of this class regresses with ``num_labels == 1`` (transformers' sequence, image, audio and
+    video classifiers: their loss is the mean squared error then, as they set ``problem_type`` in the first forward
+    pass with labels); a token classifier's one label is still a class."""
+    return kind.endswith(_NUM_LABELS_HEADS) and not kind.endswith("ForTokenClassification")
+
+
 def _huggingface_task(model: nn.Module) -> Task | None:
     module = sys.modules.get("transformers")
     base = getattr(module, "PreTrainedModel", None)
@@ -180,7 +187,7 @@ def _huggingface_task(model: nn.Module) -> Task | None:
     problem = getattr(config, "problem_type", None)
     if problem == "multi_label_classification":
         logits: Task = MultiLabel()
-    elif problem == "regression" or ("ForSequenceClassification" in kind and getattr(config, "num_labels", 2) == 1):
+    elif problem == "regression" or (_one_label_regresses(kind) and getattr(config, "num_labels", 2) == 1):
         logits = Regression()
     elif kind.endswith(_NUM_LABELS_HEADS):  # single-label: one logit per label, config.num_labels of them
         logits = Classification(-1, getattr(config, "num_labels", None))

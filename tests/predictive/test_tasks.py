@@ -453,6 +453,23 @@ def test_a_multi_label_head_whose_problem_type_transformers_sets_in_training_is_
     assert type(bayesify.uncertainty(model, ids, noise=False)).__name__ == "BinaryUncertainty"
 
 
+def test_an_image_classifier_with_one_label_regresses_from_the_start() -> None:
+    # transformers' image (audio, video, sequence) classifiers regress with num_labels=1; a fresh ViT with one label
+    # was read as a one-class softmax (refused) until a labelled pass had set problem_type: now regression at once
+    transformers = pytest.importorskip("transformers")
+    from bayesify.predictive.libraries import infer_task
+
+    config = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=32, num_labels=1)  # fmt: skip
+    model = bayesify.convert(transformers.ViTForImageClassification(config), components=K).eval()
+    assert infer_task(model) is not None and infer_task(model).get("logits") == bayesify.predictive.Regression()
+    with torch.no_grad():
+        assert model(pixel_values=torch.randn(3, 3, 16, 16)).logits.shape == (3, 1)
+    token = transformers.BertForTokenClassification(transformers.BertConfig(
+        vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, num_labels=1))
+    assert infer_task(token).get("logits") == bayesify.predictive.Classification(-1, 1)  # fmt: skip
+
+
 def test_return_dict_false_gives_the_named_outputs_mixture_as_a_tuple() -> None:
     """``return_dict=False`` (in the call, or in the config) returns the very values of the ``ModelOutput`` as the
     tuple transformers makes of it: the mixture of the logits by their task, and the loss recomputed from it (a
