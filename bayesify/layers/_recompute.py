@@ -84,6 +84,7 @@ def recomputing(product: Tensor, fn: Callable[..., Tensor], *inputs: Tensor) -> 
         not torch.is_grad_enabled()
         or torch.compiler.is_compiling()
         or torch.jit.is_tracing()
+        or torch._C._are_functorch_transforms_active()  # (torch.func: a batched tensor has no storage to key on)
         or not _plain(product)
         or not torch._C._autograd._saved_tensors_hooks_is_enabled()
         or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None

@@ -48,7 +48,11 @@ def fold_weights(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, trans
     dtype whatever the factors' (fp32 factors of a bf16 layer), as the per-row path computes in the activations'.
     """
     rows, columns = (s, r) if transposed else (r, s)  # transposed: the same maths, the two leading axes swapped
-    if torch.is_grad_enabled() and (weight.requires_grad or rows.requires_grad or columns.requires_grad):
+    if (
+        torch.is_grad_enabled()
+        and (weight.requires_grad or rows.requires_grad or columns.requires_grad)
+        and not torch._C._are_functorch_transforms_active()  # (torch.func: the node has no vmap rule; plain ops)
+    ):
         return _FoldWeights.apply(weight, rows, columns, groups)
     return _fold(weight, rows, columns, groups)
 

@@ -143,7 +143,13 @@ class TableGroup:
                 return None
         if len(tables) == 1:
             return first
-        if sharded or torch.compiler.is_compiling() or not any(t.requires_grad for t in tables) or not torch.is_grad_enabled():
+        if (
+            sharded
+            or torch.compiler.is_compiling()
+            or not any(t.requires_grad for t in tables)
+            or not torch.is_grad_enabled()
+            or torch._C._are_functorch_transforms_active()  # (torch.func: the node has no vmap rule)
+        ):
             return torch.cat(tables, 1)  # (a compiled graph fuses the cat; nothing to hand back without gradients)
         value = _Join.apply(self.sizes, *tables)
         self.__dict__.setdefault("_pass", {})[name] = (_identity(tables), value)
@@ -159,6 +165,7 @@ class TableGroup:
         makes it join anew."""
         kept = self.__dict__.get("_pass", {}).get(name)
         fresh = kept is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        fresh = fresh and not torch._C._are_functorch_transforms_active()
         if fresh and kept[0] == _identity(self.tables(name)):
             return kept[1]
         return self.joined(name)
