@@ -307,6 +307,13 @@ def _plan(
                 f"{type(model).__name__} is already converted and nothing new matched; it was left unchanged. "
                 "To change options, call bayesify.revert(model) and convert again."
             )
+        left_out = [name for name, skip in skipped.items() if skip.kind in (SkipKind.EXCLUDED, SkipKind.NOT_INCLUDED)]
+        if left_out:
+            said = ", ".join(f"{k}={v!r}" for k, v in (("include", includes), ("exclude", excludes)) if v is not None)
+            raise ValueError(
+                f"{said} left no layer of {type(model).__name__} to convert (it left out {', '.join(left_out[:5])}"
+                f"{' ...' if len(left_out) > 5 else ''}); loosen the patterns."
+            )
         raise ValueError(
             f"{type(model).__name__} has no layer to convert: none of its modules is an instance of "
             f"{sorted(t.__name__ for t in table)}. Pass mapping={{**bayesify.default_mapping(), YourLayer: "

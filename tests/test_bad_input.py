@@ -35,6 +35,10 @@ def _net() -> nn.Module:
         (dict(include="encoder.*"), ValueError, r"\['encoder\.\*'\] matched no convertible module"),
         (dict(exclude=["0", "nope"]), ValueError, r"\['nope'\] matched no"),
         (dict(include=3), TypeError, r"include=3 must be a string or a list of strings"),
+        (dict(exclude="*"), ValueError, r"exclude=\['\*'\] left no layer of Sequential to convert \(it left out 0, 2\)"),
+        (dict(exclude=["0", "2"]), ValueError, r"exclude=\['0', '2'\] left no layer"),
+        (dict(task="regression", class_axis=1), ValueError, r"class_axis=1 goes with task='classification' .* drop"),
+        (dict(task="binary", class_axis=-1), ValueError, r"class_axis=-1 goes with task='classification'"),
         (dict(mapping={nn.Linear: nn.Linear}), TypeError, r"mapping\[Linear\]=.* must be a subclass of bayesify.layers.Rank1Layer"),
     ],
 )

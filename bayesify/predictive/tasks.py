@@ -442,6 +442,11 @@ def parse_task(
         return TaskMap(tuple((k, parse_task(v, class_axis=class_axis, gaussian_variance=gaussian_variance)) for k, v in value.items()))
     if isinstance(value, (str, TaskName)):
         name = TaskName.parse(value, "task")
+        if class_axis is not None and name not in (TaskName.CLASSIFICATION, TaskName.AUTO):
+            raise ValueError(
+                f"class_axis={class_axis!r} goes with task='classification' (the axis of its softmax), and "
+                f"task={name.value!r} has none: drop class_axis (or say task='classification')."
+            )
         if name is TaskName.CLASSIFICATION:
             return Classification(class_axis)
         if name is TaskName.GAUSSIAN:
