@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -128,11 +129,15 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
         layer.rank1_state.batch_independent = False
         handles.append(layer.register_forward_pre_hook(lambda m, a, n=name: ran.add(n)))
     watcher = WeightUses(watched_parameters(model, layers))
+    state = model_state(model)
+    warned = set(state.warned)
     try:
         with _untouched(model, args, kwargs), torch.no_grad(), mode(model, "component", component=0, noise=False):
-            with watcher:
+            with watcher, warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*'s weight was used by .* outside the layer")  # (reported)
                 model(*args, **kwargs)
     finally:
+        state.warned = warned  # (a training pass still says it once)
         for h in handles:
             h.remove()
     modules = dict(model.named_modules())

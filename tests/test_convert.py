@@ -247,6 +247,32 @@ def test_summary_names_a_weight_used_outside_forward() -> None:
     assert "converted but not in the compute path" in str(report)
 
 
+def test_a_weight_used_by_other_maths_is_named_once_in_a_pass() -> None:
+    # a cosine classifier normalises fc's weight itself: the factors cannot act there (bayesify takes over F.linear
+    # and convolutions only), and training ran with K identical heads, silently (only summary(model, x) said)
+    import warnings
+
+    class Cosine(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.fc = nn.Linear(4, 8), nn.Linear(8, 3, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 10 * F.linear(F.normalize(self.body(x), dim=1), F.normalize(self.fc.weight, dim=1))
+
+    model = bayesify.convert(Cosine(), task="classification")
+    x = torch.randn(5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "normalize" in bayesify.summary(model, x).bypassed["fc"]  # reported there, not warned
+    with pytest.warns(UserWarning, match=r"fc's weight was used by normalize outside the layer .* exclude=\['fc'\]"):
+        model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x)  # once
+        model.fc.weight.new_zeros(3)  # (outside a pass: the plain Parameter)
+
+
 @pytest.mark.parametrize(
     "wrap",
     [

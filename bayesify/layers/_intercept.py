@@ -15,6 +15,7 @@ plain Parameter, so nothing else sees the view.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -43,9 +44,33 @@ class InterceptedWeight(Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         if layer is not None and any(isinstance(t, Tensor) for t in tree_flatten(result)[0]):
-            # a compute use the layer cannot take over: remembered for summary()
-            layer.rank1_state.bypassed_by.add(getattr(func, "__name__", repr(func)))
+            # a compute use the layer cannot take over: remembered for summary(), and said once
+            name = getattr(func, "__name__", repr(func))
+            if name == "__get__":  # an attribute (weight.T): its name
+                name = getattr(getattr(func, "__self__", None), "__name__", name)
+            if not (name.endswith("_like") or name.startswith("new_") or name == "data"):  # (shape, not values)
+                _bypassed(layer, name)
         return result
+
+
+def _bypassed(layer: Any, func: str) -> None:
+    """Record that ``func`` computed with ``layer``'s plain weight, and warn the first time for the model."""
+    state = layer.rank1_state
+    state.bypassed_by.add(func)
+    model = state.model
+    key = f"bypassed {id(layer)} {func}"
+    if key in model.warned:
+        return
+    model.warned.add(key)
+    root = model.root
+    name = next((n for n, m in root.named_modules() if m is layer), type(layer).__name__) if root is not None else "?"
+    warnings.warn(
+        f"{name}'s weight was used by {func} outside the layer (bayesify takes over only F.linear and convolution "
+        f"calls on it): that use reads the plain weight, so {name}'s rank-1 factors do not act there and its K "
+        f"members share it. Call the layer (or F.linear on its weight), or convert(..., exclude=[{name!r}]) to keep "
+        "it deterministic and say so.",
+        stacklevel=3,
+    )
 
 
 def intercept(weight: Tensor, layer: Any) -> InterceptedWeight:
