@@ -6,11 +6,12 @@ import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from bayesify._weight_uses import WeightUses, watched_parameters
 from bayesify.convert import added_after_conversion, default_mapping
@@ -33,6 +34,7 @@ class Summary:
     bypassed: dict[str, str] = field(default_factory=dict)  # converted, but not (fully) in the compute path
     shared: dict[str, str] = field(default_factory=dict)  # ran on a batch-independent input: one member for all rows
     changed: dict[str, str] = field(default_factory=dict)  # a parameter of another shape since convert: it raises
+    misordered: dict[str, str] = field(default_factory=dict)  # called on m x B rows not in runs of one example's
     original_parameters: int = 0
     added_parameters: int = 0
     probed: bool = False
@@ -68,7 +70,10 @@ class Summary:
         if self.shared:
             lines.append("converted, one component for every member's rows:")
             lines += [f"  {name or '<root>'}: {why}" for name, why in self.shared.items()]
-        if self.probed and not self.bypassed and not self.shared:
+        if self.misordered:
+            lines.append("converted, the rows of several examples in one component's run (members mixed):")
+            lines += [f"  {name or '<root>'}: {why}" for name, why in self.misordered.items()]
+        if self.probed and not self.bypassed and not self.shared and not self.misordered:
             lines.append("every converted layer ran in the example forward pass")
         elif self.changed and not self.probed:
             lines.append("(no example forward pass: it would raise for the layers changed after conversion)")
@@ -116,7 +121,63 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     if (example_args or example_kwargs) and not report.changed:
         report.probed = True
         _probe(model, report, example_args, example_kwargs)
+        report.misordered = _row_order(model, example_args, example_kwargs)
     return report
+
+
+def _row_order(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, str]:
+    """The converted layers called on ``m x B`` rows (``m > 1``) that are not each example's ``m`` rows one after
+    another, as bayesify routes them (row ``i`` through example ``i // m``'s component: windows, tokens flattened
+    batch-first), but laid out otherwise: a ``torch.cat`` of two batches, a time-major ``[T, B]`` flattened. Shapes
+    cannot tell these apart; moving example 0 of the floating-point inputs and seeing which rows of each call move
+    can. Two passes in evaluation, one component, nothing left behind; {} where no input is a float batch."""
+    batch_dim = model_state(model).options.batch_dim
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > batch_dim]
+    sizes = {t.shape[batch_dim] for t in tensors}
+    if len(sizes) != 1 or next(iter(sizes)) < 2 or not any(t.is_floating_point() for t in tensors):
+        return {}
+    batch = next(iter(sizes))
+
+    def moved(t: object) -> object:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() <= batch_dim:
+            return t
+        t = t.clone()
+        t.select(batch_dim, 0).add_(1.0)
+        return t
+
+    seen: list[dict[str, list[torch.Tensor]]] = [{}, {}]
+    layers = dict(rank1_layers(model))
+    for calls, (a, k) in zip(seen, ((args, kwargs), tree_map(moved, (args, kwargs)))):
+        def keep(module: nn.Module, inputs: tuple, name: str = "", calls: dict = calls) -> None:
+            if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() > 1:
+                calls.setdefault(name, []).append(inputs[0].detach().clone())
+
+        handles = [layer.register_forward_pre_hook(partial(keep, name=name)) for name, layer in layers.items()]
+        try:
+            one = mode(model, "component", component=0, noise=False)
+            with _untouched(model, a, k), torch.no_grad(), one, _unwarned(model):
+                model.eval()  # (no batch statistics: only example 0's own rows move)
+                model(*a, **k)
+        finally:
+            for handle in handles:
+                handle.remove()
+    found = {}
+    for name, calls in seen[0].items():
+        for before, after in zip(calls, seen[1].get(name, [])):
+            rows = before.shape[0]
+            if before.shape != after.shape or rows % batch or rows == batch:
+                continue
+            m = rows // batch
+            moved_rows = (before != after).flatten(1).any(1).nonzero().flatten()
+            if moved_rows.numel() and int(moved_rows.max()) >= m:
+                found[name] = (
+                    f"called on {m} x {batch} rows, example 0's at rows {moved_rows[:4].tolist()}, not rows 0-{m - 1}: "
+                    f"bayesify gives row i the component of example i // {m}, so the members mix here (a torch.cat "
+                    "of batches, or a time-major [T, B] flattened). Call the layer once per batch, or flatten batch-first "
+                    "(x.transpose(0, 1).reshape(-1, ...))"
+                )
+                break
+    return found
 
 
 def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None:
@@ -129,15 +190,11 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
         layer.rank1_state.batch_independent = False
         handles.append(layer.register_forward_pre_hook(lambda m, a, n=name: ran.add(n)))
     watcher = WeightUses(watched_parameters(model, layers))
-    state = model_state(model)
-    warned = set(state.warned)
     try:
         with _untouched(model, args, kwargs), torch.no_grad(), mode(model, "component", component=0, noise=False):
-            with watcher, warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=r".*'s weight was used by .* outside the layer")  # (reported)
+            with watcher, _unwarned(model):
                 model(*args, **kwargs)
     finally:
-        state.warned = warned  # (a training pass still says it once)
         for h in handles:
             h.remove()
     modules = dict(model.named_modules())
@@ -163,6 +220,20 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
             report.shared[name] = ("ran on an input that does not depend on the batch: one component's factors for "
                                      f"every member's rows (not their exact mixture); convert(..., exclude=[{name!r}]) "
                                      "keeps it deterministic")  # fmt: skip
+
+
+@contextmanager
+def _unwarned(model: nn.Module) -> Iterator[None]:
+    """summary()'s own passes: what a pass warns of once (a weight used by other maths) is what summary reports, so
+    it is not warned here, and a training pass still warns of it once afterwards."""
+    state = model_state(model)
+    warned = set(state.warned)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*'s weight was used by .* outside the layer")
+            yield
+    finally:
+        state.warned = warned
 
 
 @contextmanager

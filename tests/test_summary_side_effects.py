@@ -94,3 +94,32 @@ def test_summary_leaves_the_cuda_generator_as_it_was() -> None:
     rng = torch.cuda.get_rng_state()
     bayesify.summary(model, example)
     assert torch.equal(torch.cuda.get_rng_state(), rng)
+
+
+def test_summary_finds_a_layer_whose_rows_are_not_each_examples_in_a_run() -> None:
+    # a torch.cat of two batches through a shared encoder: its 2 x B rows are two blocks of B, not each example's two
+    # rows in a run, which is how bayesify routes them (the members mixed, silently); a batch-first flatten is fine
+    class Siamese(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            za, zb = self.enc(torch.cat([a, b])).chunk(2)
+            return self.head((za - zb).abs())
+
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x.reshape(-1, 4)).view(x.shape[0], -1, 3).mean(1)
+
+    siamese = bayesify.convert(Siamese(), task="classification")
+    before = {k: v.clone() for k, v in siamese.state_dict().items()}
+    report = bayesify.summary(siamese, torch.randn(3, 4), torch.randn(3, 4))
+    assert set(report.misordered) == {"enc"} and "example 0's at rows [0, 3], not rows 0-1" in report.misordered["enc"]
+    assert "members mixed" in str(report) and siamese.training
+    assert all(torch.equal(v, siamese.state_dict()[k]) for k, v in before.items())
+    assert bayesify.summary(bayesify.convert(Tokens(), task="classification"), torch.randn(3, 5, 4)).misordered == {}
