@@ -19,6 +19,7 @@ output to the task's reduction (:meth:`Router.end`).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum
@@ -162,6 +163,14 @@ class ModelState:
     def end(self, root: nn.Module, output: object) -> object:
         """After the root's forward: the mixture's reduction of a tiled output, by the pass's task or the model's."""
         state = self.router.state
+        error = sys.exc_info()[1]
+        if output is None and error is not None and state is not None and state.members > 1 and self.router.active:
+            # (torch calls this hook as the forward raises) the error names the tiled batch's rows, not the input's
+            error.add_note(
+                f"bayesify: {type(root).__name__} ran this pass on its tiled batch, each of the {state.batch} examples "
+                f"given {state.members} times (one row per member: {state.members * state.batch} rows); the input "
+                f"as given had shape {tuple(state.input_shape) if state.input_shape is not None else '?'}."
+            )
         if state is not None and state.draws is not None:
             self.draws.end(state.draws)
         output = self.router.end(root, output, self.current_task(root))

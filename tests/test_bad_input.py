@@ -124,3 +124,15 @@ def test_torch_jit_trace_is_refused_naming_export_and_merge() -> None:
     member = bayesify.merge(model, component=1)
     x = torch.randn(4, 8)
     torch.testing.assert_close(torch.jit.trace(member, x)(x), member(x))
+
+
+def test_an_error_in_a_tiled_pass_says_its_rows_are_the_tiled_batchs() -> None:
+    # in evaluation torch's error names the K x B rows of the tiled batch (input[8, 1, ...] for 2 examples given)
+    net = bayesify.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(64, 2)), task="regression")
+    net.eval()
+    with pytest.raises(RuntimeError, match=r"input\[8, 1, 6, 6\]") as raised:
+        net(torch.randn(2, 1, 6, 6))
+    assert any("each of the 2 examples given 4 times" in note and "(2, 1, 6, 6)" in note for note in raised.value.__notes__)
+    with pytest.raises(RuntimeError) as plain:  # a training pass runs the batch as given: nothing to add
+        net.train()(torch.randn(2, 1, 6, 6))
+    assert not getattr(plain.value, "__notes__", None)
