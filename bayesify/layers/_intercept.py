@@ -59,7 +59,7 @@ def _bypassed(layer: Any, func: str) -> None:
     state.bypassed_by.add(func)
     model = state.model
     key = f"bypassed {id(layer)} {func}"
-    if key in model.warned:
+    if key in model.warned or torch.compiler.is_compiling():  # (said by the eager pass, not in a graph)
         return
     model.warned.add(key)
     root = model.root
