@@ -31,7 +31,7 @@ from bayesify.layers.linear import Rank1Linear
 from bayesify.layers.recurrent import Rank1RNN, Rank1RNNCell
 from bayesify.model_state import ATTRIBUTE, ConversionReport, ModelState, Skip, SkipKind, is_root
 from bayesify.predictive.libraries import infer_task
-from bayesify.predictive.tasks import Auto, Task, resolve_task
+from bayesify.predictive.tasks import Auto, Task, check_class_axis, resolve_task
 from bayesify.variational import store
 from bayesify.variational.factor import Rank1Factor
 
@@ -219,6 +219,7 @@ def convert(
         # a second conversion (of a layer added since: a new head): the model-wide options not said are the model's
         options = {**{name: getattr(existing.options, name) for name in scoped(Rank1Config, "model")}, **options}  # type: ignore[typeddict-item]
     config = Rank1Config.from_options(config, **options)
+    check_class_axis(config.task, config.class_axis)
     input_positions(model, config.unbatched_inputs)  # (an input the forward does not have: refused before any change)
     table = _swap_table(mapping, config)
     said = config.resolved_task()  # what the caller said of the output (Auto: nothing)

@@ -13,7 +13,7 @@ from bayesify.inspection import inside
 from bayesify.model_state import ModelState, find_root, is_root, model_state, split_output
 from bayesify.options import Route, parse_option
 from bayesify.predictive.outputs import check_rows
-from bayesify.predictive.tasks import Task, resolve_task
+from bayesify.predictive.tasks import Task, check_class_axis, resolve_task
 
 __all__ = ["mode", "predict"]
 
@@ -64,6 +64,7 @@ def mode(
         raise ValueError(f"samples={samples!r} must be an integer >= 1 (samples per mixture component).")
     if noise is not None and not isinstance(noise, bool):
         raise TypeError(f"noise={noise!r} must be True, False or None (the model's default).")
+    check_class_axis(task, class_axis)
     parsed = None if task is None and class_axis is None else resolve_task(task or "classification", class_axis=class_axis)
     router.overrides.append(RouteSpec(route, noise, samples, parsed, component))
     try:

@@ -132,6 +132,14 @@ def test_corruptions_need_images_and_resume_keeps_the_model(tmp_path, capsys):
     for flag in (["--perturbation", "additive"], ["--prior", "cauchy"], ["--components", "2"], ["--deterministic"]):
         assert cli.main(["train", "--out", str(tmp_path / "bc"), "--resume", *flag]) == 2
         assert f"{flag[0]} " in (err := capsys.readouterr().err) and "differs from the run" in err, err
+    # the optimizer and schedule go on from the checkpoint: a new --lr was logged and not used, another --optimizer
+    # failed in torch's step (KeyError 'momentum'), another --batch-size reused the place in the epoch
+    for flag in (["--lr", "0.05"], ["--optimizer", "sgd"], ["--batch-size", "8"], ["--decay-epochs", "1"]):
+        assert cli.main(["train", "--out", str(tmp_path / "bc"), "--resume", *flag]) == 2
+        assert "differs from the run" in (err := capsys.readouterr().err) and "go on from the checkpoint" in err, err
+    assert cli.main(["train", "--model", "mlp", "--data", "breast-cancer", "--decay-epochs", "2,1", "--out",
+                     str(tmp_path / "order")]) == 2  # fmt: skip
+    assert "must be in increasing order" in capsys.readouterr().err
     assert cli.main(["evaluate", "--out", str(tmp_path / "bc")]) == 0
     assert "AUC-PR" in capsys.readouterr().out
 

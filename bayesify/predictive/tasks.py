@@ -442,11 +442,6 @@ def parse_task(
         return TaskMap(tuple((k, parse_task(v, class_axis=class_axis, gaussian_variance=gaussian_variance)) for k, v in value.items()))
     if isinstance(value, (str, TaskName)):
         name = TaskName.parse(value, "task")
-        if class_axis is not None and name not in (TaskName.CLASSIFICATION, TaskName.AUTO):
-            raise ValueError(
-                f"class_axis={class_axis!r} goes with task='classification' (the axis of its softmax), and "
-                f"task={name.value!r} has none: drop class_axis (or say task='classification')."
-            )
         if name is TaskName.CLASSIFICATION:
             return Classification(class_axis)
         if name is TaskName.GAUSSIAN:
@@ -459,6 +454,18 @@ def parse_task(
         f"task={value!r} is not a task; pass one of {accepted}, a bayesify.predictive.Task, a function "
         "reduce(members) -> output, or a dict {output key: task}."
     )
+
+
+def check_class_axis(task: object, class_axis: int | None) -> None:
+    """Refuse ``class_axis`` with a task named otherwise than ``"classification"`` (it would be ignored, silently)."""
+    if class_axis is None or not isinstance(task, (str, TaskName)):
+        return
+    name = TaskName.parse(task, "task")
+    if name not in (TaskName.CLASSIFICATION, TaskName.AUTO):
+        raise ValueError(
+            f"class_axis={class_axis!r} goes with task='classification' (the axis of its softmax), and "
+            f"task={name.value!r} has none: drop class_axis (or say task='classification')."
+        )
 
 
 def resolve_task(

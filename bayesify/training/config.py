@@ -68,7 +68,8 @@ class TrainConfig(Rank1Config):
     l2: float = option(1e-4, "L2 prior coefficient on the point-estimated weights (reference 1e-4)")
     l2_norm_layers: bool = option(True, "include normalisation layers in the L2 term (CIFAR reference)")
     kl_annealing_epochs: float | None = option(
-        None, "epochs over which the KL weight rises to 1 (default: 2/3 of training; a resumed run keeps its own)"
+        None, "epochs over which the KL weight rises to 1 (default: 2/3 of training, of --max-steps where that ends it "
+        "sooner; a resumed run keeps its own)"
     )
     train_noise: bool = option(True, "sample r, s during training (off: posterior means, e.g. for tests)")
     # optimisation
@@ -141,6 +142,12 @@ class TrainConfig(Rank1Config):
             raise ValueError(f"max_steps={self.max_steps!r} must be >= 1 (or None: run all epochs).")
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} must be > 0.")
+        if list(self.decay_epochs) != sorted(self.decay_epochs):
+            fix = ",".join(f"{e:g}" for e in sorted(self.decay_epochs))
+            raise ValueError(
+                f"decay_epochs={self.decay_epochs!r} must be in increasing order: the k-th decays the rate to "
+                f"decay_ratio**k (e.g. --decay-epochs {fix})."
+            )
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip={self.grad_clip!r} must be > 0 (or None: no clipping).")
         if self.pretrained and self.weights is not None:

@@ -203,6 +203,8 @@ class WarmupStepDecay:
         self.steps_per_epoch = steps_per_epoch
         self.warmup_epochs = float(warmup_epochs)
         self.decay_epochs = [float(e) for e in decay_epochs]
+        if self.decay_epochs != sorted(self.decay_epochs):
+            raise ValueError(f"decay_epochs={list(decay_epochs)!r} must be in increasing order (the k-th: decay_ratio**k).")
         self.decay_ratio = float(decay_ratio)
 
     def __call__(self, step: int) -> float:

@@ -170,7 +170,11 @@ def build_model(config: TrainConfig, bundle: DataBundle) -> nn.Module:
         load_weights(model, config.weights)  # before conversion: the file holds the network's own keys
     _check_takes_the_data(model, config, bundle, task)
     if not config.deterministic:
-        bayesify.convert(model, config.rank1.replace(task=_task_option(config, bundle)))
+        task_option = _task_option(config, bundle)
+        # (a run that trained with --class-axis on another task, ignored then, is rebuilt without it; new runs refuse it)
+        other = isinstance(task_option, (str, TaskName)) and TaskName.parse(task_option, "task") is not TaskName.CLASSIFICATION
+        class_axis = None if other else config.class_axis
+        bayesify.convert(model, config.rank1.replace(task=task_option, class_axis=class_axis))
         if config.adapter:
             bayesify.freeze_base(model)
     return model
@@ -311,14 +315,16 @@ def resume_run_config(explicit: dict[str, Any]) -> TrainConfig:
             f"--epochs {after.epochs} is fewer than the {trained} epochs the run in {out} has trained; resume with "
             f"--epochs {trained + 1} or more to train on (bayesify evaluate --out {out} evaluates it as it is)."
         )
-    for key in _FIXED_AT_RESUME:
-        if key in explicit and getattr(after, key) != getattr(before, key):
-            flag = "--" + key.replace("_", "-")
-            raise ValueError(
-                f"{_said(flag, getattr(after, key))} differs from the run in {out}, which trained with "
-                f"{_said(flag, getattr(before, key))} (its checkpoint holds that model); resume without it, or train a "
-                "new run in another --out."
-            )
+    for keys, holds in ((_FIXED_AT_RESUME, "its checkpoint holds that model"),
+                        (_OPTIMISATION, "its optimizer, schedule and place in the epoch go on from the checkpoint")):  # fmt: skip
+        for key in keys:
+            if key in explicit and getattr(after, key) != getattr(before, key):
+                flag = "--" + key.replace("_", "-")
+                raise ValueError(
+                    f"{_said(flag, getattr(after, key))} differs from the run in {out}, which trained with "
+                    f"{_said(flag, getattr(before, key))} ({holds}); resume without it, or train a new run in another "
+                    "--out."
+                )
     return after
 
 
@@ -331,6 +337,11 @@ def _said(flag: str, value: Any) -> str:
 
 # what the checkpoint's model is: the network, its data (classes, shapes) and every conversion option
 _FIXED_AT_RESUME = ("model", "data", "adapter", "deterministic", *(f.name for f in dataclasses.fields(bayesify.Rank1Config)))
+# what the checkpoint's optimizer and schedule were made with (a new value would be logged, not used)
+_OPTIMISATION = (
+    "optimizer", "lr", "momentum", "nesterov", "fast_weight_lr_multiplier", "warmup_epochs", "decay_epochs", "decay_ratio",
+    "batch_size", "seed",
+)  # fmt: skip
 
 
 def load_run(out: str | Path) -> tuple[TrainConfig, dict[str, Any]]:

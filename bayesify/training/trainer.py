@@ -107,9 +107,13 @@ class _Run:
     converted: bool
 
 
-def _kl_annealing_epochs(said: float | None, epochs: float) -> float:
-    """The epochs over which the KL weight rises to 1: as said, else 2/3 of the run's."""
-    return 2 / 3 * epochs if said is None else said
+def _kl_annealing_steps(said: float | None, epochs: int, max_steps: int | None, steps_per_epoch: int) -> int:
+    """The steps over which the KL weight rises to 1: ``said`` epochs of them, else 2/3 of the run's steps (its
+    epochs', or ``max_steps`` where that ends it sooner: 2/3 of ``--epochs 10000 --max-steps 25000`` never reached 1)."""
+    if said is not None:
+        return round(said * steps_per_epoch)
+    total = epochs * steps_per_epoch if max_steps is None else min(epochs * steps_per_epoch, max_steps)
+    return round(2 / 3 * total)
 
 
 class Trainer:
@@ -194,6 +198,8 @@ class Trainer:
                 self.epoch, batch = self.epoch + 1, 0
                 if (cfg.eval_every and self.epoch % cfg.eval_every == 0) or done or self.epoch >= cfg.epochs:
                     self._evaluate(run)
+            elif done:  # --max-steps ended the run inside an epoch: its results are the model it ends with's
+                self._evaluate(run)
             self._save(run, batch)
             self.trigger("on_epoch_end")
 
@@ -306,11 +312,10 @@ class Trainer:
 
     def _objective(self, steps_per_epoch: int) -> Objective:
         cfg = self.config
-        kl_epochs = _kl_annealing_epochs(cfg.kl_annealing_epochs, cfg.epochs)
         return Objective(
             num_train=len(self.data.train),
             l2=cfg.l2,
-            kl_annealing_steps=round(kl_epochs * steps_per_epoch),
+            kl_annealing_steps=_kl_annealing_steps(cfg.kl_annealing_epochs, cfg.epochs, cfg.max_steps, steps_per_epoch),
             likelihood=cfg.likelihood,
             l2_norm_layers=cfg.l2_norm_layers,
             task=self.task,
@@ -350,8 +355,9 @@ class Trainer:
         if self.config.kl_annealing_epochs is None and "epochs" in saved:
             # and so does its KL annealing, unless this run sets one: 2/3 of a longer --epochs would take the weight
             # of a run already at 1 back down (a 2-epoch run resumed with --epochs 4: 1.0 -> 0.77)
-            kl_epochs = _kl_annealing_epochs(saved.get("kl_annealing_epochs"), saved["epochs"])
-            run.objective.kl_annealing_steps = round(kl_epochs * run.steps_per_epoch)
+            run.objective.kl_annealing_steps = _kl_annealing_steps(
+                saved.get("kl_annealing_epochs"), saved["epochs"], saved.get("max_steps"), run.steps_per_epoch
+            )
         self.step, self.epoch = state["step"], state["epoch"]
         run.log.truncate_after(self.step)
         self._wrap(run)

@@ -229,3 +229,21 @@ def test_a_run_max_steps_ends_inside_an_epoch_says_the_fraction_done(tmp_path, d
     _train(_config(tmp_path, max_steps=3, progress=True), digits)
     line = next(s for s in capsys.readouterr().out.splitlines() if ": test " in s)
     assert line.startswith("epoch 0.30/2 step 3: test "), line
+
+
+def test_the_kl_warm_up_spans_two_thirds_of_the_steps_a_max_steps_run_takes(tmp_path, digits):
+    # --epochs 30 --max-steps 6 annealed over 2/3 of 30 epochs: the KL weight ended at ~0.01 (the MIMIC preset's
+    # --epochs 10000 --max-steps 25000 never reached 1); it follows the run's real length, 4 of its 6 steps
+    _train(_config(tmp_path, epochs=30, max_steps=6, log_every=1), digits)
+    scales = [json.loads(line)["kl_scale"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+              if json.loads(line).get("kind") == "train"]  # fmt: skip
+    assert scales[-1] == 1.0 and scales[2] < 1.0, scales
+
+
+def test_a_run_max_steps_ends_inside_an_epoch_reports_the_model_it_ends_with(tmp_path, digits):
+    # --max-steps 13 with 10 steps an epoch: the results (and the last eval record) were epoch 1's, step 10
+    model, results = _train(_config(tmp_path, max_steps=13, epochs=3), digits)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("kind") == "eval"][-1] == 13
+    again = bayesify.evaluation.evaluate(model, digits.test, transform=digits.normalize, members=False)
+    assert abs(again["nll"] - results["nll"]) < 1e-4, (again["nll"], results["nll"])
