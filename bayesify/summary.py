@@ -149,8 +149,11 @@ def _row_order(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, str]:
     layers = dict(rank1_layers(model))
     for calls, (a, k) in zip(seen, ((args, kwargs), tree_map(moved, (args, kwargs)))):
         def keep(module: nn.Module, inputs: tuple, name: str = "", calls: dict = calls) -> None:
-            if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() > 1:
-                calls.setdefault(name, []).append(inputs[0].detach().clone())
+            x = inputs[0] if inputs else None
+            if isinstance(x, torch.Tensor) and x.dim() > 1:
+                axis = module.rank1_batch_axis(x)  # (the layer's own: an attention or RNN that is time-major says 1)
+                if axis is not None:
+                    calls.setdefault(name, []).append(x.detach().movedim(axis, 0).clone())
 
         handles = [layer.register_forward_pre_hook(partial(keep, name=name)) for name, layer in layers.items()]
         try:
@@ -165,18 +168,27 @@ def _row_order(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, str]:
     for name, calls in seen[0].items():
         for before, after in zip(calls, seen[1].get(name, [])):
             rows = before.shape[0]
-            if before.shape != after.shape or rows % batch or rows == batch:
+            if before.shape != after.shape or rows % batch:
                 continue
             m = rows // batch
             moved_rows = (before != after).flatten(1).any(1).nonzero().flatten()
-            if moved_rows.numel() and int(moved_rows.max()) >= m:
+            if not moved_rows.numel() or int(moved_rows.max()) < m:
+                continue
+            if m == 1:  # as many rows as examples, yet example 0's input moved others: the batch is on another axis
+                found[name] = (
+                    f"called on {rows} rows at its batch axis, example 0's input moving rows {moved_rows[:4].tolist()}: "
+                    "its batch lies on another axis (a time-major [T, B, C] input whose T equals B), so each row is "
+                    "not one example and the members mix here. Make the layer batch-first (batch_first=True), or "
+                    "say where its batch lies (convert(..., batch_dim=...))"
+                )
+            else:
                 found[name] = (
                     f"called on {m} x {batch} rows, example 0's at rows {moved_rows[:4].tolist()}, not rows 0-{m - 1}: "
                     f"bayesify gives row i the component of example i // {m}, so the members mix here (a torch.cat "
-                    "of batches, or a time-major [T, B] flattened). Call the layer once per batch, or flatten batch-first "
-                    "(x.transpose(0, 1).reshape(-1, ...))"
+                    "of batches, or a time-major [T, B] flattened). Call the layer once per batch, or flatten "
+                    "batch-first (x.transpose(0, 1).reshape(-1, ...))"
                 )
-                break
+            break
     return found
 
 

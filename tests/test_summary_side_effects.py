@@ -123,3 +123,21 @@ def test_summary_finds_a_layer_whose_rows_are_not_each_examples_in_a_run() -> No
     assert "members mixed" in str(report) and siamese.training
     assert all(torch.equal(v, siamese.state_dict()[k]) for k, v in before.items())
     assert bayesify.summary(bayesify.convert(Tokens(), task="classification"), torch.randn(3, 5, 4)).misordered == {}
+
+
+def test_summary_finds_a_time_major_layer_whose_length_equals_the_batch() -> None:
+    # a batch-first model with a time-major encoder layer inside: with T == B its Linears' rows look like the batch's;
+    # the attention says where its own batch lies (axis 1), and is not named
+    class Clf(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=False)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, 8]
+            return self.head(self.enc(x.transpose(0, 1)).mean(0))
+
+    model = bayesify.convert(Clf(), task="classification")
+    report = bayesify.summary(model, torch.randn(5, 5, 8))
+    assert set(report.misordered) == {"enc.linear1", "enc.linear2"}, report.misordered
+    assert "batch lies on another axis" in report.misordered["enc.linear1"]
