@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -98,6 +99,8 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
     """
     state = _one_model(model, "bayesify.predict")
     router = state.router
+    if _training(model) and "predict in training" not in state.warned and not torch.compiler.is_compiling():
+        _warn_running_statistics(find_root(model), state)
     if noise is None:  # decided where every pass's is (what an enclosing mode() said, else the defaults)
         noise = router.default_noise(_training(model), samples)
     with torch.no_grad():
@@ -129,6 +132,23 @@ def _one_model(model: nn.Module, caller: str) -> ModelState:
             f"each (e.g. {caller}(model.{outer[0][0]}, ...)), or convert the whole model once."
         )
     return model_state(model)
+
+
+def _warn_running_statistics(root: nn.Module, state: ModelState) -> None:
+    """Once per model: predict() (and uncertainty()) on a model left in training mode update its batch norms'
+    running statistics from the batch, which nothing else would say (evaluate() switches to eval itself)."""
+    norms = [
+        name for name, m in root.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]  # fmt: skip
+    if norms:
+        state.warned.add("predict in training")
+        warnings.warn(
+            f"bayesify.predict ran {type(root).__name__} in training mode: its batch norms ({', '.join(norms[:3])}"
+            f"{' ...' if len(norms) > 3 else ''}) updated their running statistics from this batch, and dropout is on. "
+            "Call model.eval() first to evaluate (said once; training mode on purpose needs nothing).",
+            stacklevel=3,
+        )
 
 
 def _training(model: nn.Module) -> bool:

@@ -518,3 +518,19 @@ def test_training_after_a_pass_in_inference_mode_works(sampling: str, route: str
             loss = model(x).logsumexp(-1).mean() + bayesify.kl_loss(model, 10)
         loss.backward()
     assert all(p.grad is not None for p in bayesify.rank1_parameters(model) if p.requires_grad)
+
+
+def test_predict_on_a_model_left_in_training_mode_says_its_batch_norms_moved() -> None:
+    # predict() / uncertainty() run the model in its own mode: in training mode its batch norms' running statistics
+    # moved with the batch, silently (evaluate() switches to eval itself); said once, and nothing in eval mode
+    import warnings
+
+    model = bayesify.convert(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)),
+                             task="classification")  # fmt: skip
+    with pytest.warns(UserWarning, match=r"training mode: its batch norms \(1\) updated their running statistics"):
+        bayesify.uncertainty(model, torch.randn(5, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bayesify.predict(model, torch.randn(5, 4))  # once
+        fresh = bayesify.convert(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)), task="classification")
+        bayesify.predict(fresh.eval(), torch.randn(5, 4))
