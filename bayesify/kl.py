@@ -14,8 +14,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from bayesify.convert import added_after_conversion
-from bayesify.inspection import rank1_layers
+from bayesify.convert import added_after_conversion, default_mapping
 from bayesify.layers.base import ConvertedLayer
 from bayesify.variational.divergence import total_kl
 
@@ -34,13 +33,14 @@ def kl_divergence(model: nn.Module) -> Tensor:
     References:
         Dusenberry et al., ICML 2020, Eq. 3 (the reference sums over the K components).
     """
-    layers = [layer for _, layer in rank1_layers(model)]
+    modules = list(model.modules())
+    layers = [module for module in modules if isinstance(module, ConvertedLayer)]
     if not layers:
         raise ValueError(
             f"{type(model).__name__} has no rank-1 layers, so it has no KL term; call bayesify.convert(model) first."
         )
     if not torch.compiler.is_compiling():
-        _warn_added_after_conversion(layers)
+        _warn_added_after_conversion(layers, len(modules))
     total = total_kl(term for layer in layers for term in layer.rank1_kl_terms())
     if total is None:  # only delta posteriors (BatchEnsemble)
         first = next((p for layer in layers for p in layer.rank1_parameters()), None)
@@ -48,18 +48,20 @@ def kl_divergence(model: nn.Module) -> Tensor:
     return total  # (a sharded model's tables are summed over the ranks in total_kl: counted once in all)
 
 
-def _warn_added_after_conversion(layers: list[ConvertedLayer]) -> None:
+def _warn_added_after_conversion(layers: list[ConvertedLayer], modules: int) -> None:
     """Warn, once per module, where a weight-bearing module was put in the model after :func:`~bayesify.convert`
     (a head that ``reset_classifier`` or ``resize_token_embeddings`` made, replacing a converted one): it trains as
-    a plain layer that the K members share, which nothing else would say. Looked for again only when the set of
-    converted layers changed since the last step (their identities, from the walk this step made anyway)."""
+    a plain layer that the K members share, which nothing else would say. Looked for again only when the model's
+    modules changed since the last step (their number and the converted layers' identities, from the walk this
+    step made anyway)."""
     state = layers[0].rank1_state.model
-    seen = tuple(map(id, layers))
+    seen = (modules, *map(id, layers))
     if state.checked_layers == seen or state.root is None:
         return
     state.checked_layers = seen
+    convertible = tuple(default_mapping())  # (what a second convert() would convert: not a new embedding, say)
     for name, skip in added_after_conversion(state.root, state.report.skipped).items():
-        if f"added {name}" not in state.warned:
+        if isinstance(state.root.get_submodule(name), convertible) and f"added {name}" not in state.warned:
             state.warned.add(f"added {name}")
             kind = skip.message.split(" ", 1)[0]
             warnings.warn(

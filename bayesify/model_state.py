@@ -85,7 +85,7 @@ class ModelState:
     handles: list[RemovableHandle] = field(default_factory=list)  # the hooks attach() installed on the root
     warned: set[str] = field(default_factory=set)  # the warnings given once per model (their kinds)
     as_tuple: bool = False  # the pass in flight returns its named outputs as the tuple the call asked for
-    checked_layers: tuple[int, ...] = ()  # the converted layers (ids) when kl_divergence last looked for added ones
+    checked_layers: tuple[int, ...] = ()  # (modules, converted layers' ids) when kl_divergence last looked for added ones
 
     def __post_init__(self) -> None:
         if self.router is None:

@@ -178,6 +178,11 @@ def test_a_head_put_in_after_conversion_is_named_once_with_the_fix() -> None:
         warnings.simplefilter("error")
         bayesify.kl_loss(model, 100)
     assert "excluded" in bayesify.summary(model).skipped["fc"]
+    model.extra_head = nn.Linear(3, 2)  # a module added beside the converted ones (none replaced): named too
+    model.table = nn.Embedding(5, 3)  # (deterministic by default, as a second convert() would leave it: not named)
+    with pytest.warns(UserWarning, match=r"extra_head \(Linear\) was put in") as said:
+        bayesify.kl_loss(model, 100)
+    assert not any("table" in str(w.message) for w in said)
 
 
 def test_converting_a_part_then_the_whole_uses_one_routing() -> None:
