@@ -149,7 +149,8 @@ def evaluate_run(
             evaluated the same way and drawn on the same axes.
         ood: an out-of-distribution set to tell from the test set: another data set of the same
             input shape (e.g. ``cifar100`` against ``cifar10``), ``CORRUPTION[:SEVERITY]`` (the test set
-            corrupted, default severity 5), or ``noise`` (uniform noise shaped as the inputs).
+            corrupted, default severity 5), or ``noise`` (uniform noise shaped as the inputs: in [0, 1] for
+            images, over the span of the test inputs' own for features).
 
     Returns:
         What ``evaluation.json`` holds: ``step``, ``config``, ``settings``, ``clean``,
@@ -316,9 +317,17 @@ def _ood_set(
     if name == "noise":
         generator = torch.Generator().manual_seed(0)
         noise = torch.rand(inputs.shape, generator=generator)
-        return InMemoryDataset(noise, labels), (
-            f"{len(inputs)} inputs of uniform noise in [0, 1] (seed 0), each {shape} as the test inputs and "
-            "normalised as they are: nothing like the training data"
+        if inputs.dim() >= 4:  # images in [0, 1], normalised by the data's transform as the test images are
+            return InMemoryDataset(noise, labels), (
+                f"{len(inputs)} inputs of uniform noise in [0, 1] (seed 0), each {shape} as the test inputs and "
+                "normalised as they are: nothing like the training data"
+            )
+        # features (standardised: [0, 1] lies in their bulk): each uniform over the span of the test inputs' own,
+        # every feature drawn apart, so the points fill the box around the data rather than the data
+        low, high = inputs.amin(0), inputs.amax(0)
+        return InMemoryDataset(low + noise * (high - low), labels), (
+            f"{len(inputs)} inputs of uniform noise (seed 0), each feature drawn alone over the span of the test "
+            "inputs' own (min to max): the box around the data, not its correlations"
         )
     if name in CORRUPTIONS:
         level = int(severity or 5)

@@ -134,3 +134,16 @@ def test_max_examples_caps_an_ood_data_set_as_it_caps_the_test_set(runs):
     # positive inflated by the imbalance, and 4 minutes): the OOD data set is cut to the same first N
     results = evaluate_run(runs["rank1"], ood="digits", samples=1, max_examples=24)
     assert results["settings"]["ood_set"] == "the first 24 inputs of the test split of digits (each 1 x 8 x 8)"
+
+
+def test_ood_noise_for_features_fills_the_box_around_the_test_inputs():
+    # standardised features: uniform noise in [0, 1] lies in their bulk (an "OOD" set ranked below chance); each
+    # feature is drawn over the span of the test inputs' own instead
+    from bayesify.training.evaluate_run import _ood_set
+
+    test = InMemoryDataset(torch.randn(50, 6) * torch.arange(1, 7) - 3, torch.zeros(50, dtype=torch.long))
+    ood, said = _ood_set("noise", None, test, None)
+    x, noise = test.inputs, torch.stack([ood[i][0] for i in range(len(ood))])
+    assert (noise >= x.amin(0)).all() and (noise <= x.amax(0)).all() and noise.shape == x.shape
+    assert (noise.amax(0) - noise.amin(0) > 0.8 * (x.amax(0) - x.amin(0))).all()  # the whole span, every feature
+    assert said.startswith("50 inputs of uniform noise (seed 0), each feature drawn alone over the span")
