@@ -239,13 +239,13 @@ def _unwarned(model: nn.Module) -> Iterator[None]:
     """summary()'s own passes: what a pass warns of once (a weight used by other maths) is what summary reports, so
     it is not warned here, and a training pass still warns of it once afterwards."""
     state = model_state(model)
-    warned = set(state.warned)
+    before = set(state.warned)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*'s weight was used by .* outside the layer")
             yield
-    finally:
-        state.warned = warned
+    finally:  # (only those unsaid here are forgotten: a warning the pass did show stays said)
+        state.warned -= {key for key in state.warned - before if key.startswith("bypassed ")}
 
 
 @contextmanager
