@@ -65,6 +65,12 @@ class Rank1Affine(Rank1Layer):
     """
 
     rank1_intercepted = ("weight",)
+    # a stem (a layer whose input takes no gradient: the network's first) folds whenever its rows run in blocks
+    # (sampling="auto", training): the per-row path would take a gradient of the input that the original never
+    # takes, which for a convolution is a second convolution as costly as the forward (CPU, ViT-tiny's stride-16
+    # patch embedding, B=32, 32 px: 12.4 ms a step per row against 7.6 ms folded, the original 2.3; at 224 px 224
+    # against 70 and 47). A stem has few input channels, so its K folded weights are small.
+    rank1_stem_folds: bool = False
     # the base forwards whose maths we know, so the bias can be left out instead of subtracted
     rank1_known_forwards: tuple[Callable, ...] = ()
 
@@ -75,6 +81,13 @@ class Rank1Affine(Rank1Layer):
     def rank1_axes(self, x: Tensor) -> tuple[int | None, int]:
         """``(batch axis or None if unbatched, channel axis)`` of an input of this layer."""
         raise NotImplementedError
+
+    def rank1_output_numel(self, x: Tensor) -> int:
+        """How many values this layer's output holds for input ``x`` (what the per-row path scales): the input's
+        positions times the output channels; a family whose maps change the positions (a strided convolution)
+        says so."""
+        fan_in, fan_out = self.rank1_features()
+        return x.numel() // max(fan_in, 1) * fan_out
 
     def rank1_core(self, x: Tensor) -> Tensor:
         """``W x`` without bias, for a base class whose forward is in :attr:`rank1_known_forwards`."""
@@ -299,7 +312,8 @@ class Rank1Affine(Rank1Layer):
         The per-row path makes ~3 activation-sized passes on each side of the layer (scale, and in the
         backward the scaled gradient and the factor's reduction); the folded one ~8 weight-sized passes
         per block (fold, and in the backward the chain rule to W, r and s). Memory follows the same
-        count: the per-row path keeps the scaled input and the unscaled output for the backward pass.
+        count: the per-row path keeps the scaled input and the unscaled output for the backward pass. A
+        convolution whose input takes no gradient folds when gradients are taken (``rank1_stem_folds``).
         """
         sampling = self.rank1_state.model.options.sampling  # model-wide: the model's one copy
         if draw.blocks is None or sampling is Sampling.EXAMPLE:
@@ -311,8 +325,9 @@ class Rank1Affine(Rank1Layer):
             # one convolution of K*B rows then beats K folded weights and K convolutions of B rows (ResNet-18,
             # 32 px, CPU: 1.06x the compiled original at K*B against 1.21x folded where the byte count says so)
             return False
-        fan_in, fan_out = self.rank1_features()
-        activations = x.numel() + x.numel() // max(fan_in, 1) * fan_out
+        if self.rank1_stem_folds and torch.is_grad_enabled() and not x.requires_grad:
+            return True
+        activations = x.numel() + self.rank1_output_numel(x)
         # a symbolic batch (torch.export, torch.compile with dynamic shapes): never guard on the batch size for
         # this choice of speed (both paths compute the same function); fold only when it pays for every batch,
         # so an exported graph holds one path for all batch sizes

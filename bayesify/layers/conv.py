@@ -11,6 +11,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -29,6 +30,7 @@ _CONV_TRANSPOSE_FUNCTIONS = (F.conv_transpose1d, F.conv_transpose2d, F.conv_tran
 
 class _Rank1ConvBase(Rank1Affine):
     _functions: tuple[Callable, ...] = ()
+    rank1_stem_folds = True
 
     def rank1_features(self) -> tuple[int, int]:
         return self.in_channels, self.out_channels
@@ -38,6 +40,23 @@ class _Rank1ConvBase(Rank1Affine):
         if x.dim() == spatial + 1:  # unbatched [C, *spatial]
             return None, 0
         return 0, 1
+
+    def rank1_output_numel(self, x: Tensor) -> int:
+        # the output's positions from the input's (a stride-16 patch embedding has 256x fewer than its input)
+        spatial = len(self.kernel_size)
+        positions = 1
+        for axis, size in enumerate(x.shape[x.dim() - spatial :]):
+            positions = positions * self._rank1_output_length(size, axis)
+        batch = x.numel() // max(math.prod(x.shape[x.dim() - spatial - 1 :]), 1)
+        return batch * self.out_channels * positions
+
+    def _rank1_output_length(self, size: int, axis: int) -> int:
+        kernel, stride, dilation = self.kernel_size[axis], self.stride[axis], self.dilation[axis]
+        padding = self.padding if isinstance(self.padding, str) else self.padding[axis]
+        if padding == "same":
+            return size
+        padding = 0 if padding == "valid" else padding
+        return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
     def rank1_functional_handlers(self) -> dict[Callable, Callable]:
         return {f: self._rank1_external(f) for f in self._functions}
@@ -97,6 +116,11 @@ class Rank1ConvTranspose(_Rank1ConvBase):
 
     def rank1_merged_weight(self, weight: Tensor, r: Tensor, s: Tensor) -> Tensor:
         return fold_weight(weight, r, s, groups=self.groups, transposed=True)  # weight [in, out / groups, ...]
+
+    def _rank1_output_length(self, size: int, axis: int) -> int:
+        kernel, stride, dilation = self.kernel_size[axis], self.stride[axis], self.dilation[axis]
+        extra = self.output_padding[axis] - 2 * self.padding[axis]
+        return (size - 1) * stride + dilation * (kernel - 1) + extra + 1
 
     def rank1_constant_response(self, weight: Tensor, s: Tensor) -> Tensor:
         raise ValueError(

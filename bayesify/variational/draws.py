@@ -139,13 +139,16 @@ class ModelDraws:
                         continue
                     # kept for the pass: a recomputation in the backward pass makes a layer's values again from them
                     eps = last = draws.eps[(group.key, per)] = group.noise(count, last)
-                full = draws.full[(group.key, per)] = group.draw_all(loc, components, noise, scale, blocks, eps)
+                full = group.draw_all(loc, components, noise, scale, blocks, eps)
                 if torch.compiler.is_compiling():
                     # split here, in the root's pre-hook (a graph of its own under torch.compile(model)): the
                     # forward graph then gets each table's piece as an input of its own, read at offset 0, and
                     # inductor writes one kernel for the layers of a repeated block (a slice at an offset of its
-                    # own in the forward graph is a kernel per layer: a ViT-tiny step compiled 88 kernels, not 34)
-                    draws.taken[(group.key, per, None)] = group.take(full)
+                    # own in the forward graph is a kernel per layer: a ViT-tiny step compiled 88 kernels, not 34).
+                    # The whole is not kept: an output of that graph, it would get a zero-filled gradient.
+                    draws.taken[(group.key, per, None)] = _own_pieces(group.take(full))
+                else:
+                    draws.full[(group.key, per)] = full
         # what the layers took in passes like this one, taken ahead (never in a graph: learning would recompile it)
         for (per, like), groups in needs.items():
             for key, slots in groups.items():
@@ -174,15 +177,18 @@ class ModelDraws:
             slots = shapes.setdefault((per, like), {}).setdefault(group.key, set())
             draws.learnt = draws.learnt or slot not in slots
             slots.add(slot)
-        full = self._full(draws, group.key, per)
-        if full is not None and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             # one split of the group for the pass: its backward is one cat. Each slice's backward would be a
             # zero-padded copy of the whole group, and inductor sums them element by element (a test per table
             # per element: 93 of a ViT-tiny step's 220 ms on the CPU)
             pieces = draws.taken.get((group.key, per, None))
             if pieces is None:
-                pieces = draws.taken[(group.key, per, None)] = group.take(full)
-            return pieces[slot]
+                full = self._full(draws, group.key, per)
+                if full is not None:
+                    pieces = draws.taken[(group.key, per, None)] = _own_pieces(group.take(full))
+            if pieces is not None:
+                return pieces[slot]
+        full = self._full(draws, group.key, per)
         if full is not None:
             start = group.starts[slot]
             return full[:, start : start + group.sizes[slot]]
@@ -362,3 +368,10 @@ def _same(t: Tensor) -> Tensor:
 @dataclass(frozen=True)
 class _Drawn:
     value: Tensor
+
+
+def _own_pieces(pieces: dict[int, Tensor]) -> dict[int, Tensor]:
+    """A compiled pass's pieces of a group, each in memory of its own: a column slice of the joined group, handed
+    from the root's pre-hook graph to the forward graph, would have its gradient copied back into the slice's
+    strides, one copy per table (AOTAutograd keeps a tangent in its output's layout: 147 copies in a ViT-tiny step)."""
+    return {slot: piece.contiguous() for slot, piece in pieces.items()}

@@ -284,3 +284,43 @@ def test_auto_evaluation_folds_only_the_layers_where_folding_pays() -> None:
         folds = _folding_layers(auto, lambda: auto(x))
     assert id(auto[0].weight) in folds  # conv: 4*3*3*3 weights, 3*3*32*32 + 3*4*30*30 activations
     assert id(auto[3].weight) not in folds and id(auto[4].weight) not in folds
+
+
+def test_auto_counts_a_strided_convolutions_real_output_and_folds_a_stem_in_training() -> None:
+    """``sampling="auto"`` weighs the bytes each path moves: a ViT's patch embedding (stride 16) has 256 times fewer
+    output positions than input positions, and was counted as if it had as many (it folded K weights of 49k values
+    where the per-row path scales 53k activations). In training a convolution whose input takes no gradient (a
+    stem) folds: the per-row path would take the input's gradient, a second convolution the original never runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 64, 16, stride=16), nn.Flatten(), nn.Linear(64 * 4, 3))
+    auto = bayesify.convert(model, components=K, task="classification")
+    patch = auto[0]
+    decisions: list[bool] = []
+    decide = patch._rank1_folds
+    patch._rank1_folds = lambda *args: decisions.append(decide(*args)) or decisions[-1]
+    x = torch.randn(16, 3, 32, 32)
+    with torch.no_grad():
+        auto.eval()(x)
+    auto.train()
+    auto(x).sum().backward()
+    auto(x.clone().requires_grad_()).sum().backward()  # an input that takes a gradient: the byte count decides
+    assert decisions == [False, True, False]
+    assert patch.rank1_output_numel(x) == patch(x).numel() == 16 * 64 * 2 * 2
+
+
+@pytest.mark.parametrize(
+    "conv, shape",
+    [
+        (nn.Conv2d(3, 8, 7, stride=2, padding=3), (2, 3, 17, 17)),
+        (nn.Conv2d(4, 6, 3, padding="same", dilation=2), (2, 4, 9, 9)),
+        (nn.Conv1d(4, 6, 3, dilation=2, padding="valid"), (4, 11)),
+        (nn.Conv3d(2, 3, 2, stride=2, groups=1), (1, 2, 4, 6, 8)),
+        (nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1), (2, 4, 5, 5)),
+        (nn.ConvTranspose1d(4, 2, 4, stride=3, dilation=2), (3, 4, 7)),
+    ],
+)
+def test_a_convolutions_output_size_is_counted_exactly(conv: nn.Module, shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape)
+    expected = conv(x).numel()
+    bayesify.convert(nn.Sequential(conv), components=K, task="regression")
+    assert conv.rank1_output_numel(x) == expected
