@@ -450,14 +450,16 @@ def _balanced_blocks(components: int, batch: int, device: torch.device) -> tuple
     on the batch size alone; the order stays a tensor (no ``.tolist()``: ``torch.compile`` traces it
     without a graph break). It is drawn on the CPU, and no device sync is needed to know the blocks.
     """
-    try:
-        base, extra = divmod(batch, components)
-    except TypeError:  # a symbolic batch outside dynamo: torch.export of a model in training with dynamic shapes
+    if not isinstance(batch, int) and torch.compiler.is_exporting():  # a symbolic batch: dynamic_shapes on it
         raise ValueError(
             "the training route splits the batch into blocks of Python-number sizes, so a model in training exports "
             "with a static batch only: export it in evaluation (model.eval(): the mixture, any batch size), or "
             "without dynamic_shapes on the batch."
-        ) from None
+        )
+    # (not divmod: torch.compile's symbolic batch, under dynamic=True or from a second batch size such as an epoch's
+    # last partial one, takes // and % and specialises on the remainder; divmod failed the step under
+    # fullgraph=True and broke the graph without it)
+    base, extra = batch // components, batch % components
     sizes = [size for size in [base + 1] * extra + [base] * (components - extra) if size]
     ends = list(itertools.accumulate(sizes))
     blocks = tuple((end - size, end) for size, end in zip(sizes, ends))

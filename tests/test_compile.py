@@ -391,3 +391,27 @@ def test_a_compiled_step_hands_each_layer_its_draws_per_row_without_copies() -> 
     # a tangent in its output's layout), and the whole group, an output of that graph too, a zero-filled gradient
     # (ViT-tiny at 32 px, B=32, CPU: 147 copies a step; the compiled step 139 -> 122 ms against the original's 82)
     assert _copies_of_rows("inductor") == []
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_a_compiled_training_step_takes_another_batch_size_in_one_graph(dynamic: bool | None) -> None:
+    """A training loop's last partial batch (no ``drop_last``): torch.compile makes the batch symbolic from the second
+    size on (or from the first, ``dynamic=True``), and the sample route's blocks took it with ``divmod``, which a
+    symbolic size does not take: the step failed under ``fullgraph=True`` (a ``ValueError`` about export) and broke
+    into dozens of frames without it. The blocks now take ``//`` and ``%``; each step equals eager's, seeded."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = bayesify.convert(nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 5)), components=4,
+                             task="classification", init="normal")  # fmt: skip
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model.train(), fullgraph=True, dynamic=dynamic, backend="eager")
+    twin.train()
+    for step, batch in enumerate((8, 8, 5, 8, 5, 7)):
+        x = torch.randn(batch, 6)
+        torch.manual_seed(step)
+        out = compiled(x)
+        torch.manual_seed(step)
+        torch.testing.assert_close(out, twin(x))
+        (out.logsumexp(-1).sum() + bayesify.kl_loss(model, 100)).backward()
+    assert counters["stats"]["unique_graphs"] <= 6, dict(counters["stats"])
