@@ -236,6 +236,7 @@ def convert(
             _replace(model, name, new)
             if name == "":
                 model = new
+    _time_major_layers(model)
     if isinstance(state.task, Auto):  # the one place convert decides it: what was said, else what the model states
         state.task = resolve_task(said, stated=infer_task(model), class_axis=config.class_axis)
     _finish(model, state, [name for name, _, _ in plan], skipped)
@@ -243,6 +244,18 @@ def convert(
 
 
 Plan = list[tuple[str, nn.Module, type[ConvertedLayer]]]
+
+
+def _time_major_layers(model: nn.Module) -> None:
+    """The feed-forward Linears of torch's time-major transformer layers (``batch_first=False``, torch's default) see
+    ``[T, B, C]`` whatever the model's ``batch_dim``: their batch is at dimension 1, as the layer's attention takes
+    it (a batch-first model that transposes around an encoder mixed the members there, silently where T == B)."""
+    for module in model.modules():
+        if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) and not module.self_attn.batch_first:
+            for linear in (module.linear1, module.linear2):
+                state = linear.__dict__.get("rank1_state")
+                if state is not None:
+                    state.batch_axis = 1
 
 
 def _swap_table(

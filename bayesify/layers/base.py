@@ -111,6 +111,9 @@ class LayerState:
     bypassed_by: set[str] = field(default_factory=set)  # functions that used the weight directly (summary)
     intercepted_by: str | None = None  # the last function whose use of the weight was routed here
     batch_independent: bool = False  # it ran on an input that does not depend on the batch (summary)
+    # where the batch lies in its inputs when its place in the model says (a Linear of torch's time-major transformer
+    # layer, batch_first=False: 1, as that layer's attention); None: the model's batch_dim
+    batch_axis: int | None = None
     unset: bool = False  # converted on the meta device: its rank-1 values are not made yet
     load_hook: int | None = None  # id of the load_state_dict pre-hook in the layer's hook dict (revert removes it)
     packed: dict[str, tuple[Any, int]] = field(default_factory=dict)  # bias offsets drawn with a group: (group, slot)

@@ -18,7 +18,8 @@ class Rank1Linear(Rank1Affine):
     """``y = ((x o s) W^T) o r + b_k`` on the last axis; the batch is at ``batch_dim``.
 
     ``s`` has ``in_features`` entries and ``r`` has ``out_features``. The batch axis is the
-    conversion's ``batch_dim``, capped at ``x.dim() - 2`` (a ``[B, F]`` head of a sequence-first
+    conversion's ``batch_dim`` (1 inside torch's time-major transformer layers, whatever the model's:
+    ``LayerState.batch_axis``), capped at ``x.dim() - 2`` (a ``[B, F]`` head of a sequence-first
     model still has its batch first); a 1-d input is one unbatched example.
 
     References:
@@ -38,7 +39,9 @@ class Rank1Linear(Rank1Affine):
     def rank1_axes(self, x: Tensor) -> tuple[int | None, int]:
         if x.dim() < 2:
             return None, -1
-        return min(self.rank1_state.model.options.batch_dim, x.dim() - 2), -1
+        state = self.rank1_state
+        axis = state.model.options.batch_dim if state.batch_axis is None else state.batch_axis
+        return min(axis, x.dim() - 2), -1
 
     def rank1_core(self, x: Tensor) -> Tensor:
         return F.linear(x, self._parameters["weight"])

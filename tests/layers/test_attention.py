@@ -273,3 +273,37 @@ def test_revert_restores_attention() -> None:
     bayesify.revert(layer)
     assert type(layer) is nn.MultiheadAttention
     assert {n: p for n, p in layer.named_parameters()} == before
+
+
+class _TimeMajorInside(nn.Module):
+    """A batch-first model around torch's time-major encoder (``batch_first=False``, torch's default): older code
+    transposes in and out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, HEADS, dim_feedforward=16, dropout=0.0), 1,
+                                             enable_nested_tensor=False)  # fmt: skip
+        self.head = nn.Linear(E, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.encoder(x.transpose(0, 1)).transpose(0, 1).mean(1))
+
+
+@pytest.mark.parametrize("length", [B, 4], ids=["length-equals-batch", "other-length"])
+def test_a_time_major_encoder_inside_a_batch_first_model_keeps_each_member_its_own(no_fast_path: None, length: int) -> None:
+    """The encoder layer's feed-forward Linears see ``[T, B, C]``: they took dimension 0 (the model's batch_dim) as
+    the batch and mixed the members, warned where T differed from the rows and silent where it equalled them. They
+    take their batch at dimension 1, as the layer's attention does: every member of the tiled pass is its own."""
+    torch.manual_seed(0)
+    model = bayesify.convert(_TimeMajorInside().to(DT), components=K, posterior="delta", task="classification")
+    _randomise(model)
+    model.eval()
+    x = torch.randn(B, length, E, dtype=DT)
+    with torch.no_grad(), bayesify.mode(model, route="tile", noise=False):
+        out = model(x)
+    for member in range(K):
+        with torch.no_grad(), _fastpath_off():
+            expected = member_model(model, member).eval()(x)
+        torch.testing.assert_close(out[member * B : (member + 1) * B], expected, atol=1e-8, rtol=0)
+    assert model.encoder.layers[0].linear1.rank1_batch_axis(x.transpose(0, 1)) == 1
+    assert "members mixed" not in str(bayesify.summary(model, x))  # (it named both Linears)
