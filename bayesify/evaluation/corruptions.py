@@ -4,8 +4,9 @@ The paper's robustness numbers (cNLL / cA / cECE) average the metrics over the 1
 corruptions x 5 severities of Hendrycks & Dietterich (2019). Instead of pre-computed
 CIFAR-10-C / ImageNet-C files, bayesify corrupts any image test set as it is evaluated, with
 ``corrupt_tta.corrupt`` (the ImageNet-C code, fixed for numpy 2 / scikit-image). Corruptions
-draw from numpy's global generator; :func:`corrupt_images` seeds it for each call and restores
-it afterwards, so a corrupted test set is the same on every run. Three slow corruptions (frost,
+draw from numpy's global generator; :func:`corrupt_images` seeds it (for the call, or for each image) and
+restores it afterwards, so a corrupted test set is the same on every run; the evaluator seeds each image by
+its place in the test set, so what an image gets does not depend on the batch it comes in. Three slow corruptions (frost,
 glass blur, zoom blur) run batched, with the library's numbers bit for bit, and impulse noise
 draws from a seeded generator, which the library's does not (``_corrupt_batch.py``).
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -72,7 +73,7 @@ def corrupt_images(
     corruption: str,
     severity: int,
     *,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     min_size: int = 32,
 ) -> Tensor:
     """Corrupt a batch of images ``[N, C, H, W]`` in ``[0, 1]`` (C = 1 or 3); same shape back.
@@ -81,7 +82,9 @@ def corrupt_images(
         images: the clean images, values in [0, 1] (before mean/std normalisation).
         corruption: one of :data:`CORRUPTIONS`.
         severity: 1 to 5.
-        seed: seeds numpy's generator for this call (restored afterwards).
+        seed: seeds numpy's generator for this call (restored afterwards), the images drawn in turn; or one seed
+            per image, each image corrupted under its own (what an image gets then does not depend on the
+            others in the batch: :func:`corruption_seed` of its index in the set).
         min_size: images with a smaller side are corrupted at an upsampled size (see module doc).
 
     Raises:
@@ -96,6 +99,9 @@ def corrupt_images(
             "they apply to image data sets only."
         )
     n, channels, h, w = images.shape
+    seeds = None if isinstance(seed, int) else [int(value) for value in seed]
+    if seeds is not None and len(seeds) != n:
+        raise ValueError(f"seed: {len(seeds)} seeds for {n} images; pass one int, or one seed per image.")
     x = images.detach().float().cpu().clamp(0, 1)
     factor = max(1, math.ceil(min_size / min(h, w)))
     if factor > 1:
@@ -104,11 +110,18 @@ def corrupt_images(
     pixels = (rgb.permute(0, 2, 3, 1).numpy() * 255.0).round().astype(np.uint8)  # [N, H, W, 3]
 
     state = np.random.get_state()
-    np.random.seed(seed % 2**32)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = corrupt_batch(pixels, severity, corruption)
+            if seeds is None:
+                np.random.seed(seed % 2**32)
+                out = corrupt_batch(pixels, severity, corruption)
+            else:
+                parts = []
+                for image, image_seed in zip(pixels, seeds):
+                    np.random.seed(image_seed % 2**32)
+                    parts.append(corrupt_batch(image[None], severity, corruption))
+                out = np.concatenate(parts) if parts else np.zeros(pixels.shape, np.float32)
     finally:
         np.random.set_state(state)
 
@@ -120,6 +133,9 @@ def corrupt_images(
     return result.to(images.dtype)
 
 
-def corruption_seed(base: int, corruption: str, severity: int, batch: int) -> int:
-    """A fixed seed per (corruption, severity, batch index), independent of evaluation order."""
-    return (base * 1_000_003 + CORRUPTIONS.index(corruption) * 1009 + severity * 101 + batch) % 2**32
+def corruption_seed(base: int, corruption: str, severity: int, index: int) -> int:
+    """A fixed seed per (corruption, severity, image index in the set), independent of the evaluation's order and
+    batch size; distinct for every tuple (numpy's ``SeedSequence``: a sum of the parts gave severity 2's image 0
+    the seed of severity 1's image 101)."""
+    entropy = [base % 2**32, CORRUPTIONS.index(corruption), severity, index]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])

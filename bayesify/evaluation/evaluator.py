@@ -539,7 +539,8 @@ def evaluate_corruptions(
         data: the clean test set, images in [0, 1] (normalisation goes in ``transform``).
         corruptions: names, a comma-separated string, or None for the 15 ImageNet-C ones.
         severities: which of 1-5.
-        seed: corrupted images are a fixed function of (seed, corruption, severity, batch).
+        seed: each corrupted image is a fixed function of (seed, corruption, severity, its index in ``data``),
+            whatever the batch size.
         min_size: see :func:`~bayesify.evaluation.corruptions.corrupt_images`.
         progress: tqdm bar (None: only on a terminal).
 
@@ -609,11 +610,12 @@ def compare_corruptions(
             streams = [start.copy() for _ in models]
             outputs: list[list[Tensor]] = [[] for _ in models]
             labels = []
-            for index, batch in enumerate(batches):
+            offset = 0  # each image seeded by its place in the set: the same corrupted set at any batch size
+            for batch in batches:
                 x, y = _image_batch(batch)
-                x = corrupt_images(
-                    x, name, severity, seed=corruption_seed(seed, name, severity, index), min_size=min_size
-                )
+                seeds = [corruption_seed(seed, name, severity, offset + i) for i in range(len(x))]
+                offset += len(x)
+                x = corrupt_images(x, name, severity, seed=seeds, min_size=min_size)
                 x = _prepare(x, device, transform)
                 for (model, samples), stream, out in zip(models, streams, outputs):
                     with stream.drawing():
