@@ -252,8 +252,8 @@ def _time_major_layers(model: nn.Module) -> None:
     it (a batch-first model that transposes around an encoder mixed the members there, silently where T == B)."""
     for module in model.modules():
         if isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)) and not module.self_attn.batch_first:
-            for linear in (module.linear1, module.linear2):
-                state = linear.__dict__.get("rank1_state")
+            for linear in (getattr(module, "linear1", None), getattr(module, "linear2", None)):
+                state = None if linear is None else linear.__dict__.get("rank1_state")
                 if state is not None:
                     state.batch_axis = 1
 

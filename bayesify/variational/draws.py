@@ -184,8 +184,8 @@ class ModelDraws:
             pieces = draws.taken.get((group.key, per, None))
             if pieces is None:
                 full = self._full(draws, group.key, per)
-                if full is not None:
-                    pieces = draws.taken[(group.key, per, None)] = _own_pieces(group.take(full))
+                if full is not None:  # (in the forward graph itself: its pieces stay views, no graph boundary)
+                    pieces = draws.taken[(group.key, per, None)] = group.take(full)
             if pieces is not None:
                 return pieces[slot]
         full = self._full(draws, group.key, per)
