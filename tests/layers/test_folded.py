@@ -324,3 +324,19 @@ def test_a_convolutions_output_size_is_counted_exactly(conv: nn.Module, shape: t
     expected = conv(x).numel()
     bayesify.convert(nn.Sequential(conv), components=K, task="regression")
     assert conv.rank1_output_numel(x) == expected
+
+
+def test_a_sampled_predictive_draws_for_each_example_at_any_batch_size() -> None:
+    """``uncertainty()`` (the sampled members, no gradients) at a batch size where ``sampling="auto"`` folds a
+    convolution: folded, one draw per member served the whole batch, so copies of one example got the same mutual
+    information and a score ranked across batches (the OOD set apart from the test set) compared two draws. Each
+    example draws its own, as in a small batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 30 * 30, 5))
+    model = bayesify.convert(model, components=K, task="classification").eval()
+    _randomise(model)
+    x = torch.randn(1, 3, 32, 32).expand(64, -1, -1, -1)
+    information = bayesify.uncertainty(model, x, samples=2).mutual_information
+    assert information.unique().numel() == 64
+    with torch.no_grad(), bayesify.mode(model, route="tile", noise=False):  # at the means folding stays (exact)
+        assert id(model[0].weight) in _folding_layers(model, lambda: model(x))
