@@ -91,7 +91,9 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
     Returns:
         The model's output structure with a member axis in front of every batched tensor:
         ``[K * samples, B, ...]`` for a batch-first output (``[K * samples, T, B, ...]`` for a
-        sequence-first one), component-major: member ``k * samples + m``.
+        sequence-first one), component-major: member ``k * samples + m``. An output with no batch axis is
+        the model's own over the tiled batch: a Hugging Face model's ``loss`` (labels given) is then the
+        members' average loss, not the mixture's NLL (``model.eval()``'s forward gives that).
 
     Example:
         >>> members = bayesify.predict(model.eval(), x, samples=4)     # [K*4, B, classes]
