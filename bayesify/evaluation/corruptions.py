@@ -54,6 +54,12 @@ def parse_corruptions(names: str | Iterable[str] | None) -> tuple[str, ...]:
     items = [n.strip() for n in names.split(",")] if isinstance(names, str) else [str(n) for n in names]
     items = [n for n in items if n]
     unknown = [n for n in items if n not in CORRUPTIONS]
+    severity_given = [n for n in unknown if n.partition(":")[0] in CORRUPTIONS]
+    if severity_given:  # (the --ood option's NAME:SEVERITY form)
+        raise ValueError(
+            f"corruptions={severity_given!r}: name the corruptions alone and their severities apart "
+            f"(--severities 3, or severities=(3,)); every corruption runs at every severity given."
+        )
     if unknown or not items:
         raise ValueError(f"corruptions={unknown or names!r} unknown; choose from: {', '.join(CORRUPTIONS)} (or 'all').")
     return tuple(items)

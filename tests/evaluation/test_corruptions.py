@@ -49,6 +49,10 @@ def test_bad_names_severities_and_shapes_name_the_fix():
         corrupt_images(torch.rand(1, 2, 8, 8), "fog", 1)
     assert parse_corruptions("fog, frost") == ("fog", "frost")
     assert parse_corruptions(None) == CORRUPTIONS == parse_corruptions("all")
+    with pytest.raises(ValueError, match=r"\['fog:3'\]: name the corruptions alone and their severities apart \(--severities 3"):
+        parse_corruptions("fog:3,frost")  # (--ood's NAME:SEVERITY form; was "unknown")
+    with pytest.raises(ValueError, match="seed: 2 seeds for 3 images"):
+        corrupt_images(torch.rand(3, 1, 8, 8), "fog", 1, seed=[1, 2])
 
 
 @pytest.mark.parametrize("corruption", CORRUPTIONS)
