@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from bayesify.config import Rank1Config, scoped
 from bayesify.evaluation.corruptions import CORRUPTIONS, SEVERITIES, corrupt_images, parse_corruptions, parse_severities
 from bayesify.evaluation.evaluator import collect_members, compare_corruptions, ood_detection
 from bayesify.evaluation.metrics import member_log_probs_from_logits, mixture_log_probs, task_metrics
@@ -286,7 +287,10 @@ def _shown_config(run: LoadedRun) -> dict[str, Any]:
 
     config = run.config.to_dict()
     layers = [layer for _, layer in rank1_layers(run.model)]
-    if run.config.deterministic or not layers:
+    if run.config.deterministic:  # nothing was converted: the rank-1 options did not apply
+        rank1 = (*scoped(Rank1Config, "model"), *scoped(Rank1Config, "layer"), "embeddings", "embedding_prior_std")
+        return {key: "- (not converted)" if key in rank1 else value for key, value in config.items()}
+    if not layers:
         return config
     resolved = layers[0].rank1_options  # every layer of a model shares one prior (convert resolves it once)
     if run.config.prior_std is None:

@@ -63,6 +63,8 @@ def test_a_baseline_is_evaluated_alike_and_drawn_beside_the_run(runs):
     report = Path(together["files"]["report"]).read_text()
     assert "| deterministic (det) |" in report and "| rank-1 K=2 (rank1) |" in report
     assert "| option | deterministic (det) | rank-1 K=2 (rank1) |" in report
+    # the baseline converted nothing: its rank-1 options are not shown as if they had applied
+    assert "| components | - (not converted) | 2 |" in report and "| prior | - (not converted) |" in report
     for key in ("reliability", "corruptions"):
         assert Path(together["files"][key]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
