@@ -352,7 +352,8 @@ class Draw:
 
 def _static(blocks: tuple[Block, ...] | None) -> bool:
     """Blocks whose sizes are plain numbers (an exported graph's batch may be symbolic: then a gather per row)."""
-    return bool(blocks) and all(type(a) is int and type(b) is int for a, b in blocks)
+    # (len, not bool(): torch 2.9's Dynamo traces no bool() of a tuple)
+    return blocks is not None and len(blocks) > 0 and all(type(a) is int and type(b) is int for a, b in blocks)
 
 
 def saved_tensors_hooked() -> bool:
