@@ -11,7 +11,10 @@ batch looks up (edward2's ``EmbeddingReparameterization`` samples the whole tabl
 call: the same distribution of outputs; so does this layer under ``torch.compile``, where the
 data-dependent size of the rows used would break the graph). Every occurrence of a token in the
 batch sees the same vector. The mixture components are not involved (a single Gaussian, shared by all members).
-``mode(model, noise=False)`` uses the means, i.e. the original embedding.
+A sampled predictive (a tiled pass of K x M members without gradients: ``uncertainty()``, ``predict()``,
+OOD scores) draws a table per member, so the members' disagreement carries the embeddings' posterior too
+(one table shared by the members gave a model whose only Bayesian layer is an embedding a mutual
+information of exactly 0). ``mode(model, noise=False)`` uses the means, i.e. the original embedding.
 
 ``padding_idx`` rows stay deterministic (no noise, no KL, no gradient, as torch's);
 ``max_norm``, ``scale_grad_by_freq``, ``sparse`` (sparse gradients for weight and rho),
@@ -104,8 +107,33 @@ class GaussianEmbedding(ConvertedLayer):
             std = std * (~is_pad).unsqueeze(1).to(std.dtype)
             hit = torch.nonzero(is_pad)
             padding = int(hit[0, 0]) if hit.numel() else None
-        table = means + std * torch.randn_like(means)
-        return self._rank1_lookup(inverse, table, padding, args, kwargs)
+        members = self._rank1_members(input)
+        if members is None:
+            table = means + std * torch.randn_like(means)
+            return self._rank1_lookup(inverse, table, padding, args, kwargs)
+        # a table per member: member j's rows look up in its own block of the [m * U, D] sampled table
+        count, used = int(members.max()) + 1, means.shape[0]
+        table = (means + std * torch.randn(count, *means.shape, dtype=means.dtype, device=means.device)).flatten(0, 1)
+        index = inverse + members * used
+        if padding is not None:  # (no noise there: every member's padding row is the first's, which the lookup names)
+            index = torch.where(inverse == padding, inverse, index)
+        return self._rank1_lookup(index, table, padding, args, kwargs)
+
+    def _rank1_members(self, input: Tensor) -> Tensor | None:
+        """In a sampled predictive (a tiled pass of several members, no gradients), the member of every index
+        of ``input`` (member-major: member j's are the batch's j-th run of examples), else None."""
+        router = self.rank1_state.model.router
+        state = router.state
+        if torch.is_grad_enabled() or not router.live() or state is None or state.members <= 1 or state.axis is None:
+            return None
+        rows = state.members * state.batch
+        axis = min(state.axis, input.dim() - 1)
+        if input.dim() == 0 or input.shape[axis] != rows:  # (a flat EmbeddingBag input: its bags are not the rows)
+            return None
+        shape = [1] * input.dim()
+        shape[axis] = rows
+        member = torch.arange(rows, device=input.device) // state.batch
+        return member.view(shape).expand_as(input)
 
     def _rank1_sampled_table(self, input: Tensor) -> Tensor:
         """One sample of the whole table: what ``forward`` draws under ``torch.compile``, where the rows

@@ -112,3 +112,42 @@ def test_bad_prior_std(bad: float) -> None:
         bayesify.convert(nn.Embedding(4, 2), embeddings=True, embedding_prior_std=bad)
     with pytest.raises(TypeError, match="embeddings"):
         bayesify.convert(nn.Linear(4, 2), embeddings="yes")  # type: ignore[arg-type]
+
+
+class _Net(nn.Module):
+    def __init__(self, bag: bool, padding_idx: int | None = None) -> None:
+        super().__init__()
+        make = nn.EmbeddingBag if bag else nn.Embedding
+        self.embed = make(12, 4, padding_idx=padding_idx, **({"mode": "mean"} if bag else {}))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(self.embed, nn.EmbeddingBag):
+            return self.head(self.embed(x, offsets))
+        return self.head(self.embed(x).mean(1))
+
+
+@pytest.mark.parametrize("layout", ["embedding", "bag-2d", "embedding-padding", "bag-padding"])
+def test_a_sampled_predictive_draws_a_table_per_member(layout: str) -> None:
+    """``uncertainty()`` / ``predict()`` run K x M members in one tiled pass: one table shared by them made the
+    embeddings' posterior invisible in their disagreement (a model whose only Bayesian layer is an embedding:
+    bit-identical members, a mutual information of exactly 0). Each member draws its own table; a token's vector
+    is the same wherever it occurs in one member, and the padding row has no noise in any."""
+    torch.manual_seed(0)
+    padding = 1 if layout.endswith("padding") else None
+    net = _Net(bag=layout.startswith("bag"), padding_idx=padding).to(DT)
+    model = bayesify.convert(net, embeddings=True, init_std=0.3, include=["embed"], task="classification").eval()
+    args = (torch.tensor([[0, 1, 2, 0], [3, 1, 4, 5], [6, 7, 1, 8]]),)
+    members = bayesify.predict(model, *args, samples=3)  # [K * 3, B, classes]
+    assert members.shape[0] == bayesify.num_components(model) * 3
+    assert torch.unique(members, dim=0).shape[0] == members.shape[0]  # every member its own draw
+    assert (bayesify.uncertainty(model, *args, samples=3).mutual_information > 0).all()
+    if layout == "embedding-padding":
+        seen = []
+        handle = model.embed.register_forward_hook(lambda m, a, o: seen.append(o))
+        bayesify.predict(model, *args, samples=3)
+        handle.remove()
+        out, x = seen[0], args[0].repeat(members.shape[0], 1)
+        torch.testing.assert_close(out[x == padding], model.embed.weight[padding].expand_as(out[x == padding]))
+        torch.testing.assert_close(out[0, 0], out[0, 3])  # token 0 twice in one member's row: one vector
+        assert not torch.allclose(out[0, 0], out[3, 0])  # member 0's and member 1's first examples differ
