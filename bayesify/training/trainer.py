@@ -420,7 +420,9 @@ class Trainer:
         # means over the last `steps` steps and over processes; .item() here is a device sync point
         means = {key: float(run.dist.all_reduce_mean(value)) / steps for key, value in sums.items()}
         self.last = means
-        record = {"kind": "train", "step": self.step, "epoch": self.epoch, **means}
+        # "steps": how many steps the means are over (log_every, fewer for the first line after a --resume that did
+        # not stop on a multiple of it)
+        record = {"kind": "train", "step": self.step, "epoch": self.epoch, "steps": steps, **means}
         group = run.optimizer.param_groups[0]  # the base rate now (group 0 may have a multiplier, e.g. an adapter's)
         record["lr"] = self.config.lr * group["lr"] / group["initial_lr"]
         record["examples_per_s"] = round(examples_per_s, 2)

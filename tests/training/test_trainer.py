@@ -35,7 +35,7 @@ def test_a_run_writes_metrics_and_a_checkpoint(tmp_path, digits):
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in train] == [4, 8, 12, 16, 20]
-    assert {"loss", "nll", "kl", "kl_scale", "l2", "lr", "examples_per_s"} <= set(train[0])
+    assert {"loss", "nll", "kl", "kl_scale", "l2", "lr", "examples_per_s", "steps"} <= set(train[0])
     assert [(r["epoch"], r["step"]) for r in evals] == [(1, 10), (2, 20)]
     state = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
     assert (state["step"], state["epoch"], state["batch"]) == (20, 2, 0)
@@ -67,6 +67,14 @@ def test_resume_after_an_interruption_is_bitwise_an_uninterrupted_run(tmp_path, 
     whole = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
     cut = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in cut] == [json.loads(r)["step"] for r in whole]  # no duplicated lines
+    # each line says how many steps its means are over: the first after the resume, fewer where it stopped mid-window
+    windows = [(r["step"], r["steps"]) for r in map(json.loads, cut) if r["kind"] == "train"]
+    previous = 0
+    for step, steps in windows:
+        start = max(previous, saved["step"]) if step > saved["step"] else previous  # the resumed run counts anew
+        assert steps == step - start, windows
+        previous = step
+    assert any(steps != 4 for _, steps in windows)  # (the run's last line, and the epoch-end resume's first)
 
 
 def test_an_existing_run_is_never_overwritten(tmp_path, digits):
