@@ -314,18 +314,20 @@ class Rank1Affine(Rank1Layer):
         per block (fold, and in the backward the chain rule to W, r and s). Memory follows the same
         count: the per-row path keeps the scaled input and the unscaled output for the backward pass. A
         convolution whose input takes no gradient folds when gradients are taken (``rank1_stem_folds``); a
-        sampled pass without gradients (a sampled predictive) never folds: each example draws its own.
+        sampled pass in evaluation mode (a sampled predictive) never folds: each example draws its own.
         """
         sampling = self.rank1_state.model.options.sampling  # model-wide: the model's one copy
         if draw.blocks is None or sampling is Sampling.EXAMPLE:
             return False
         if sampling is Sampling.COMPONENT:
             return True
-        if draw.noise and not torch.is_grad_enabled():
+        if draw.noise and not self.training:
             # a sampled predictive (uncertainty(), OOD scores, eval_noise=True): each example its own draw, as its
             # scores assume. Folded, one draw per member is shared by the whole batch: copies of one example scored
             # alike, and an OOD set scored in batches apart from the test set ranked by two draws (a digits CNN's
-            # mutual-information AUROC 0.73-0.90 over seeds at batch 540, 0.75-0.77 at batch 8)
+            # mutual-information AUROC 0.73-0.90 over seeds at batch 540, 0.75-0.77 at batch 8). (The layer's mode,
+            # not the grad mode: a reentrant checkpoint runs its forward without gradients and its recomputation
+            # with them, and both must take one path)
             return False
         if torch.compiler.is_compiling() and not torch.is_grad_enabled():
             # a compiled evaluation fuses the per-row scalings into the neighbouring ops (a norm, an activation):

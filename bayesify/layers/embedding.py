@@ -11,7 +11,7 @@ batch looks up (edward2's ``EmbeddingReparameterization`` samples the whole tabl
 call: the same distribution of outputs; so does this layer under ``torch.compile``, where the
 data-dependent size of the rows used would break the graph). Every occurrence of a token in the
 batch sees the same vector. The mixture components are not involved (a single Gaussian, shared by all members).
-A sampled predictive (a tiled pass of K x M members without gradients: ``uncertainty()``, ``predict()``,
+A sampled predictive (a tiled pass of K x M members in evaluation mode: ``uncertainty()``, ``predict()``,
 OOD scores) draws a table per member, so the members' disagreement carries the embeddings' posterior too
 (one table shared by the members gave a model whose only Bayesian layer is an embedding a mutual
 information of exactly 0). ``mode(model, noise=False)`` uses the means, i.e. the original embedding.
@@ -120,11 +120,12 @@ class GaussianEmbedding(ConvertedLayer):
         return self._rank1_lookup(index, table, padding, args, kwargs)
 
     def _rank1_members(self, input: Tensor) -> Tensor | None:
-        """In a sampled predictive (a tiled pass of several members, no gradients), the member of every index
-        of ``input`` (member-major: member j's are the batch's j-th run of examples), else None."""
+        """In a sampled predictive (a tiled pass of several members, in evaluation mode), the member of every index
+        of ``input`` (member-major: member j's are the batch's j-th run of examples), else None. (The layer's mode,
+        not the grad mode: a reentrant checkpoint's forward runs without gradients, its recomputation with them.)"""
         router = self.rank1_state.model.router
         state = router.state
-        if torch.is_grad_enabled() or not router.live() or state is None or state.members <= 1 or state.axis is None:
+        if self.training or not router.live() or state is None or state.members <= 1 or state.axis is None:
             return None
         rows = state.members * state.batch
         axis = min(state.axis, input.dim() - 1)
