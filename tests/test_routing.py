@@ -270,6 +270,38 @@ def test_reentrant_and_non_reentrant_checkpointing_give_the_plain_gradients() ->
             torch.testing.assert_close(grads[reentrant][n], grads[None][n], msg=f"{n}, use_reentrant={reentrant}")
 
 
+class _CheckpointedStem(nn.Module):
+    """A checkpointed first block whose first layer is a patch embedding (its input takes no gradient)."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 4, stride=4), nn.ReLU(), nn.Flatten(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        z = self.stem(x) if self.reentrant is None else checkpoint(self.stem, x, use_reentrant=self.reentrant)
+        return self.head(z)
+
+
+def test_a_checkpointed_stem_takes_one_path_in_the_forward_and_the_recomputation() -> None:
+    # a stem folds where gradients are taken (its per-row path would take the input's gradient): the non-reentrant
+    # checkpoint's forward and recomputation both take them, so both fold and draw alike. (A reentrant checkpoint
+    # of a block whose input takes no gradient gives its parameters none: torch's rule, so nothing recomputes.)
+    grads = {}
+    for reentrant in (None, False):
+        torch.manual_seed(0)
+        model = bayesify.convert(_CheckpointedStem(reentrant), components=4, init_std=0.2, task="classification")
+        torch.manual_seed(1)
+        F.cross_entropy(model(torch.randn(8, 3, 8, 8)), torch.arange(8) % 3).backward()
+        grads[reentrant] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert "stem.0.rank1_s.loc" in grads[None] and grads[None].keys() == grads[False].keys()
+    for n in grads[None]:
+        torch.testing.assert_close(grads[False][n], grads[None][n], msg=n)
+
+
 def test_hugging_face_gradient_checkpointing_with_reentrant_blocks() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
