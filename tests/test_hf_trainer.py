@@ -250,29 +250,3 @@ def test_decay_parameter_names_finds_bayesify_parameters_by_identity() -> None:
     ]  # fmt: skip
     with pytest.raises(TypeError, match=r"names='lm_head.weight' must be a list of parameter names"):
         bayesify.hf.decay_parameter_names(model, "lm_head.weight")
-
-
-@pytest.mark.parametrize("shard", [None, "40KB"], ids=["one-file", "sharded"])
-def test_the_readme_reload_recipe_restores_a_saved_model_from_one_file_or_shards(tmp_path: Path, shard) -> None:
-    """The README's reload recipe, run as written: `save_pretrained` writes one file, or shards for a large model
-    (the recipe read `model.safetensors` alone, which a sharded save does not write)."""
-    import pathlib
-
-    import safetensors.torch
-
-    recipe = re.search(r"Convert the architecture, then load the file.*?```python\n(.*?)```", README.read_text(), re.S)
-    torch.manual_seed(0)
-    saved = tiny_gpt2(init_std=0.2)
-    with torch.no_grad():  # factors away from their initialisation: a fresh conversion would not have them
-        for p in bayesify.rank1_parameters(saved):
-            p.add_(0.1 * torch.randn_like(p))
-    saved.save_pretrained(tmp_path, **({} if shard is None else {"max_shard_size": shard}))
-    assert (len(list(tmp_path.glob("*.safetensors"))) > 1) == (shard is not None)
-    namespace = {"bayesify": bayesify, "safetensors": safetensors, "pathlib": pathlib, "path": str(tmp_path),
-                 "Cls": GPT2LMHeadModel, "config": saved.config, "the_same_options": {"components": 4}}  # fmt: skip
-    exec(compile(recipe.group(1), "README.md", "exec"), namespace)
-    model, ids = namespace["model"], torch.randint(VOCAB, (2, LENGTH))
-    with torch.no_grad():
-        torch.testing.assert_close(model.eval()(ids).logits, saved.eval()(ids).logits)
-        fresh = bayesify.convert(GPT2LMHeadModel(saved.config), components=4).eval()
-        assert not torch.allclose(fresh(ids).logits, saved(ids).logits)

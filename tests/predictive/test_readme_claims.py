@@ -64,12 +64,13 @@ def test_the_readme_says_which_variation_ratio_and_its_example_holds() -> None:
 
 
 def _recipe() -> str:
-    block = README.split("fresh factors. Convert the architecture, then load the file:", 1)[1]
+    block = README.split("fresh factors. Convert the architecture, then load the file", 1)[1]
     return re.search(r"```python\n(.*?)```", block, re.DOTALL).group(1)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_the_hugging_face_reload_recipe_runs_on_a_tied_gpt2(tmp_path: Path, tied: bool) -> None:
+@pytest.mark.parametrize("tied, shard", [(True, None), (False, None), (True, "8KB")], ids=["tied", "untied", "sharded"])
+def test_the_hugging_face_reload_recipe_runs_on_a_tied_gpt2(tmp_path: Path, tied: bool, shard: str | None) -> None:
+    # (sharded: a large model's save_pretrained writes model-0000i-of-0000n files; the recipe read model.safetensors)
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     config = transformers.GPT2Config(
@@ -88,8 +89,10 @@ def test_the_hugging_face_reload_recipe_runs_on_a_tied_gpt2(tmp_path: Path, tied
         for name, parameter in saved.named_parameters():
             if "rank1" in name:
                 parameter.add_(0.1 * torch.randn_like(parameter))
-    saved.save_pretrained(tmp_path)
+    saved.save_pretrained(tmp_path, **({} if shard is None else {"max_shard_size": shard}))
+    assert (len(list(tmp_path.glob("*.safetensors"))) > 1) == (shard is not None)
     namespace = {
+        "pathlib": __import__("pathlib"),
         "bayesify": bayesify,
         "safetensors": __import__("safetensors.torch"),
         "Cls": transformers.GPT2LMHeadModel,
