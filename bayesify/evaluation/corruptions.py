@@ -105,7 +105,7 @@ def corrupt_images(
             "they apply to image data sets only."
         )
     n, channels, h, w = images.shape
-    seeds = None if isinstance(seed, int) else [int(value) for value in seed]
+    seeds = None if np.ndim(seed) == 0 else [int(value) for value in seed]  # (one int: numpy's or a 0-d tensor too)
     if seeds is not None and len(seeds) != n:
         raise ValueError(f"seed: {len(seeds)} seeds for {n} images; pass one int, or one seed per image.")
     x = images.detach().float().cpu().clamp(0, 1)
@@ -120,7 +120,7 @@ def corrupt_images(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if seeds is None:
-                np.random.seed(seed % 2**32)
+                np.random.seed(int(seed) % 2**32)
                 out = corrupt_batch(pixels, severity, corruption)
             else:
                 parts = []

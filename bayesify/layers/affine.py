@@ -66,8 +66,8 @@ class Rank1Affine(Rank1Layer):
 
     rank1_intercepted = ("weight",)
     # a stem (a layer whose input takes no gradient: the network's first) folds whenever its rows run in blocks
-    # (sampling="auto", training): the per-row path would take a gradient of the input that the original never
-    # takes, which for a convolution is a second convolution as costly as the forward (CPU, ViT-tiny's stride-16
+    # and its input factor s trains (sampling="auto"): the per-row path would take a gradient of the input, for s's,
+    # that the original never takes, which for a convolution is a second convolution as costly as the forward (CPU, ViT-tiny's stride-16
     # patch embedding, B=32, 32 px: 12.4 ms a step per row against 7.6 ms folded, the original 2.3; at 224 px 224
     # against 70 and 47). A stem has few input channels, so its K folded weights are small.
     rank1_stem_folds: bool = False
@@ -334,8 +334,8 @@ class Rank1Affine(Rank1Layer):
             # one convolution of K*B rows then beats K folded weights and K convolutions of B rows (ResNet-18,
             # 32 px, CPU: 1.06x the compiled original at K*B against 1.21x folded where the byte count says so)
             return False
-        if self.rank1_stem_folds and torch.is_grad_enabled() and not x.requires_grad:
-            return True
+        if self.rank1_stem_folds and torch.is_grad_enabled() and not x.requires_grad and self.rank1_s.loc.requires_grad:
+            return True  # (a frozen s needs no input gradient on the per-row path either: the byte count decides)
         activations = x.numel() + self.rank1_output_numel(x)
         # a symbolic batch (torch.export, torch.compile with dynamic shapes): never guard on the batch size for
         # this choice of speed (both paths compute the same function); fold only when it pays for every batch,

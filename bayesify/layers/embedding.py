@@ -112,7 +112,7 @@ class GaussianEmbedding(ConvertedLayer):
             table = means + std * torch.randn_like(means)
             return self._rank1_lookup(inverse, table, padding, args, kwargs)
         # a table per member: member j's rows look up in its own block of the [m * U, D] sampled table
-        count, used = int(members.max()) + 1, means.shape[0]
+        count, used = self.rank1_state.model.router.state.members, means.shape[0]
         table = (means + std * torch.randn(count, *means.shape, dtype=means.dtype, device=means.device)).flatten(0, 1)
         index = inverse + members * used
         if padding is not None:  # (no noise there: every member's padding row is the first's, which the lookup names)

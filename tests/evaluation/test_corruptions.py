@@ -51,6 +51,10 @@ def test_bad_names_severities_and_shapes_name_the_fix():
     assert parse_corruptions(None) == CORRUPTIONS == parse_corruptions("all")
     with pytest.raises(ValueError, match=r"\['fog:3'\]: name the corruptions alone and their severities apart \(--severities 3"):
         parse_corruptions("fog:3,frost")  # (--ood's NAME:SEVERITY form; was "unknown")
+    x = torch.rand(3, 1, 8, 8)  # one seed as numpy's integer or a 0-d tensor is one seed, not a sequence
+    one = corrupt_images(x, "gaussian_noise", 2, seed=7)
+    assert torch.equal(corrupt_images(x, "gaussian_noise", 2, seed=np.int64(7)), one)
+    assert torch.equal(corrupt_images(x, "gaussian_noise", 2, seed=torch.tensor(7)), one)
     with pytest.raises(ValueError, match="seed: 2 seeds for 3 images"):
         corrupt_images(torch.rand(3, 1, 8, 8), "fog", 1, seed=[1, 2])
 

@@ -290,7 +290,8 @@ def test_auto_counts_a_strided_convolutions_real_output_and_folds_a_stem_in_trai
     """``sampling="auto"`` weighs the bytes each path moves: a ViT's patch embedding (stride 16) has 256 times fewer
     output positions than input positions, and was counted as if it had as many (it folded K weights of 49k values
     where the per-row path scales 53k activations). In training a convolution whose input takes no gradient (a
-    stem) folds: the per-row path would take the input's gradient, a second convolution the original never runs."""
+    stem) folds while its input factor trains: the per-row path would take the input's gradient (for the factor's), a
+    second convolution the original never runs."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 64, 16, stride=16), nn.Flatten(), nn.Linear(64 * 4, 3))
     auto = bayesify.convert(model, components=K, task="classification")
@@ -304,7 +305,9 @@ def test_auto_counts_a_strided_convolutions_real_output_and_folds_a_stem_in_trai
     auto.train()
     auto(x).sum().backward()
     auto(x.clone().requires_grad_()).sum().backward()  # an input that takes a gradient: the byte count decides
-    assert decisions == [False, True, False]
+    patch.rank1_s.requires_grad_(False)  # a frozen s: the per-row path takes no input gradient either
+    auto(x).sum().backward()
+    assert decisions == [False, True, False, False]
     assert patch.rank1_output_numel(x) == patch(x).numel() == 16 * 64 * 2 * 2
 
 
