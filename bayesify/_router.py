@@ -104,11 +104,19 @@ class Router:
         # it holds the tracer's fake tensors, which cannot be copied (copy.deepcopy, bayesify.merge)
         state = dict(self.__dict__)
         state["state"], state["active"], state["tiled_rows"] = None, False, {}
-        state["root_ref"] = None  # a weak reference (not picklable); the copy's root sets it again in its next pass
+        # the root itself, which a weak reference cannot be copied or pickled as: a copy of the model (deepcopy,
+        # torch.save / load) binds its own root at once, so that a layer copied out of it before its first pass still
+        # knows its model (LayerState.__deepcopy__)
+        state["root_ref"] = self.root
         # a mode() is the caller's block around this model: a copy (or a saved model) made inside it leaves it behind,
         # as the block's exit would not reach the copy
         state["overrides"] = []
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        root = state.pop("root_ref", None)
+        self.__dict__.update(state)
+        self.root_ref = None if root is None else weakref.ref(root)
 
     @property
     def root(self) -> nn.Module | None:

@@ -13,6 +13,7 @@ test is silent is what PyTorch does for a plain ``nn.Linear``.
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import timm
@@ -408,6 +409,30 @@ def test_a_layer_copied_out_of_its_model_stays_in_that_model() -> None:
     assert twin.fc.rank1_state.model is twin.rank1_model is not model.rank1_model
     with bayesify.mode(twin, route="tile", noise=False), torch.no_grad():
         torch.testing.assert_close(twin(x).view(K, 3, -1), members)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_layer_copied_out_of_a_copied_model_before_its_first_pass_stays_in_the_copy(how: str) -> None:
+    """An EMA copy or a loaded model hands out a head copy (modules_to_save) before it has run a pass: the head
+    stays in that copy. It was cut off (a model state without a root): mode() was ignored for it, silently in
+    training (rows through every component, fresh noise each call)."""
+    model = _resnet()
+    if how == "deepcopy":
+        twin = copy.deepcopy(model)
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    assert twin.rank1_model.root is twin
+    head = copy.deepcopy(twin.fc)
+    assert head.rank1_state.model is twin.rank1_model
+    features = torch.randn(3, head.in_features)
+    expected = (features * head.rank1_s.loc[1]) @ head.weight.T * head.rank1_r.loc[1] + head.bias + head.rank1_bias[1]
+    for training in (True, False):
+        twin.train(training)
+        with bayesify.mode(twin, component=1, noise=False), torch.no_grad():
+            torch.testing.assert_close(head(features), expected)
 
 
 def test_the_error_of_a_sub_module_call_names_the_layer_and_the_model() -> None:
