@@ -90,6 +90,7 @@ def uncertainty(
     members = predict(model, *inputs, samples=1 if noise is False else samples, noise=noise, **kwargs)
     leaf, key = primary_output(members)
     found = leaf_task(resolved, key, model)
-    axis = model_state(model).router.state.axis  # where the pass took the batch: a member's too (None: unbatched)
-    check_leaf(found, key, model, leaf.shape[1:], axis if axis is not None and axis < leaf.dim() - 1 else None)
+    state = model_state(model).router.state  # where the pass took the batch, and its size (a member's output may
+    axis = state.axis  # put it elsewhere: a time-major model's last step); None: unbatched
+    check_leaf(found, key, model, leaf.shape[1:], axis, state.batch)
     return found.uncertainty(leaf)

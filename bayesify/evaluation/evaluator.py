@@ -136,7 +136,11 @@ def _collect_members(
             members = members.unsqueeze(0)
         if task is not None and not outputs:
             scored = leaf_task(task, key, model)
-            check_leaf(scored, key, model, members.shape[1:], batch_dim if batch_dim < members.dim() - 1 else None)
+            # the pass's batch: a member's output may hold it at another axis than the input (a time-major RNN's last step)
+            if converted:
+                check_leaf(scored, key, model, members.shape[1:], batch_dim, model_state(model).router.state.batch)
+            else:
+                check_leaf(scored, key, model, members.shape[1:], batch_dim if batch_dim < members.dim() - 1 else None)
         if next_token and key == "logits":  # as the model's own loss: the logits at t against the label at t + 1
             members, y = _next_token(model, members, y)
         outputs.append(members.float().cpu())

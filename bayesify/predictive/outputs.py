@@ -129,17 +129,27 @@ def reduce_output(
     return tree_unflatten(task.finish(model, reduced, inputs), tree)
 
 
-def check_leaf(task: Task, key: Any, model: nn.Module, shape: torch.Size, batch_axis: int | None) -> None:
+def check_leaf(
+    task: Task, key: Any, model: nn.Module, shape: torch.Size, batch_axis: int | None, batch: int | None = None
+) -> None:
     """Refuse in one line what ``task`` would make a silently wrong number of: one member's output leaf of ``shape``
     (at top-level ``key``; its batch at ``batch_axis``, None: one unbatched example) whose class axis is its batch
     axis (a softmax across the examples), or has another width than the number of classes the task was inferred
     with (the model's head replaced or removed after ``convert``: features, not logits), unless the model states
-    that width now (timm's ``reset_classifier(n)``). Shapes only: nothing runs on the values."""
+    that width now (timm's ``reset_classifier(n)``). Shapes only: nothing runs on the values.
+
+    ``batch``, where known: the examples in the pass. ``batch_axis`` (where the *input* has them) then only says
+    whether the pass was batched: an output may put its batch elsewhere (a time-major RNN's last step ``[B, C]``
+    with ``batch_dim=1``), so the class axis is refused where it is the one axis of that size."""
     if not isinstance(task, Classification) or not shape:
         return
     axis = task.axis(shape)
     name = type(model).__name__
-    if batch_axis is not None and axis == batch_axis % len(shape):
+    if batch is not None:
+        across_examples = batch_axis is not None and shape[axis] == batch and list(shape).count(batch) == 1
+    else:
+        across_examples = batch_axis is not None and axis == batch_axis % len(shape)
+    if across_examples:
         raise ValueError(
             f"task='classification' takes a softmax over the class axis, but on the output of shape {tuple(shape)} "
             f"of {name} that axis (dimension {axis}) holds the batch: a softmax across the examples; use "

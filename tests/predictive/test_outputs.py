@@ -239,6 +239,45 @@ def test_classification_of_one_value_per_example_is_refused_not_softmaxed_across
             assert model(torch.randn(5, 3)).shape == (5,)
 
 
+
+class _TimeMajorClassifier(nn.Module):
+    """``[T, B, F]`` in (nn.LSTM's layout), the last step's ``[B, C]`` logits out: the batch moves axis."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(6, 12), nn.Linear(12, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][-1])
+
+
+@pytest.mark.parametrize("batch", [5, 3])  # 3: as many examples as classes
+def test_a_time_major_classifier_whose_output_has_its_batch_first_is_decomposed_and_evaluated(batch: int) -> None:
+    """``batch_dim=1`` for the input, ``[B, C]`` out (README, ``batch_dim``): ``uncertainty`` and ``evaluate`` read
+    the batch where the input has it (dimension 1, the classes here) and refused it as a softmax across the batch."""
+    from bayesify.evaluation import evaluate
+    from bayesify.predictive.decompositions import classification_uncertainty
+
+    torch.manual_seed(0)
+    model = bayesify.convert(_TimeMajorClassifier(3), components=K, task="classification", batch_dim=1).eval()
+    x, y = torch.randn(7, batch, 6), torch.randint(0, 3, (batch,))
+    members = bayesify.predict(model, x)  # [K, B, C] logits
+    expected = classification_uncertainty(members)
+    found = bayesify.uncertainty(model, x, noise=False)  # at the means, as predict in evaluation
+    torch.testing.assert_close(found.mutual_information, expected.mutual_information)
+    torch.testing.assert_close(found.predictive_entropy, expected.predictive_entropy)
+    loader = torch.utils.data.DataLoader(  # time-major batches
+        torch.utils.data.TensorDataset(x.transpose(0, 1), y), batch_size=batch,
+        collate_fn=lambda b: (torch.stack([e[0] for e in b], 1), torch.stack([e[1] for e in b])),
+    )
+    report = evaluate(model, loader, members=False)
+    mixture = torch.logsumexp(members.log_softmax(-1), 0) - torch.log(torch.tensor(float(K)))
+    assert report["nll"] == pytest.approx(torch.nn.functional.nll_loss(mixture, y).item(), rel=1e-5)
+    # one logit per example is still a softmax across the batch wherever the batch lies
+    scalar = bayesify.convert(nn.Sequential(_TimeMajorClassifier(1), nn.Flatten(0)), components=K, task="classification", batch_dim=1)
+    with pytest.raises(ValueError, match=r"holds the batch.*task='binary'"), torch.no_grad():
+        bayesify.uncertainty(scalar.eval(), x)
+
 def test_one_unbatched_example_has_its_classes_on_its_one_axis() -> None:
     model = bayesify.convert(nn.Linear(3, 4), components=K, task="classification").eval()  # a layer as the model
     with torch.no_grad():
