@@ -28,7 +28,7 @@ from bayesify.evaluation.corruptions import (
     parse_severities,
 )
 from bayesify.evaluation.metrics import as_class_labels, compute_metrics, member_log_probs_from_logits, task_metrics
-from bayesify.evaluation.ood import ood_metrics_per_score, score_notes
+from bayesify.evaluation.ood import ood_metrics_per_score, ood_scores, score_notes
 from bayesify.inspection import is_converted, model_task, num_components
 from bayesify.mode import predict
 from bayesify.model_state import model_state
@@ -108,18 +108,19 @@ def evaluation_mode(*models: nn.Module) -> Iterator[None]:
 def _collect_members(
     model: nn.Module, batches: Iterable[Batch], samples: int, device: torch.device | str,
     transform: Transform | None, corrupt: Callable[[Tensor, int], Tensor] | None, noise: bool | None,
-    output: object = None, *, labels: bool = True, task: Task | None = None, label_key: str = "labels",
+    output: object = None, *, labels: bool | None = True, task: Task | None = None, label_key: str = "labels",
 ) -> tuple[Tensor, Tensor, object]:  # fmt: skip
     """:func:`collect_members`, and the key of the output collected (None: the model returns one tensor);
     ``labels``: the targets are scored (a language model's logits and labels are then aligned; False: an OOD set,
-    whose mappings need no target and whose targets come back empty); ``task``: the model's, checked to name one
-    for the output collected at the first batch (not after the whole set)."""
+    whose mappings need no target and whose targets come back empty; None: the targets where the batches hold
+    them, aligned as with True, else empty); ``task``: the model's, checked to name one for the output collected
+    at the first batch (not after the whole set)."""
     converted = is_converted(model)
-    next_token = labels and predicts_next_token(model)
+    next_token = labels is not False and predicts_next_token(model)
     batch_dim = model_state(model).options.batch_dim if converted else 0
     outputs, targets, key = [], [], None
     for index, batch in enumerate(batches):
-        x, y = _read_batch(batch, label_key, labels=labels)
+        x, y = _read_batch(batch, label_key, labels=bool(labels))
         # one example and its label, not a batch (a DataLoader with batch_size=None): a batch of one
         if y is not None and y.dim() == 0:
             x, y = _inputs_map(x, lambda t: t.unsqueeze(batch_dim)), y.unsqueeze(0)
@@ -141,14 +142,19 @@ def _collect_members(
                 check_leaf(scored, key, model, members.shape[1:], batch_dim, model_state(model).router.state.batch)
             else:
                 check_leaf(scored, key, model, members.shape[1:], batch_dim if batch_dim < members.dim() - 1 else None)
-        if next_token and key == "logits":  # as the model's own loss: the logits at t against the label at t + 1
+        if next_token and key == "logits" and y is not None:  # as the model's own loss: logits at t, label at t + 1
             members, y = _next_token(model, members, y)
         outputs.append(members.float().cpu())
-        if labels:
+        if labels is not False and y is not None:
             targets.append(y.cpu())
     if not outputs:
         raise ValueError("the test set is empty: nothing to evaluate.")
-    return torch.cat(outputs, 1), torch.cat(targets) if labels else torch.empty(0), key
+    if labels is None and 0 < len(targets) < len(outputs):
+        raise ValueError(
+            f"{len(targets)} of the {len(outputs)} batches hold targets (under label_key={label_key!r}, or as pairs) "
+            "and the others do not: give every batch its targets, or none."
+        )
+    return torch.cat(outputs, 1), torch.cat(targets) if targets else torch.empty(0), key
 
 
 def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) -> tuple[object, Tensor | None]:
@@ -415,7 +421,8 @@ def evaluate(
         output: the part of a structured output to score: a dict key (``"aux"``), a tuple index or an
             attribute name; needed where no part is the primary one (a one-line error names the parts).
         ignore_index: a class label that marks targets to leave out of every metric (255 in segmentation masks,
-            -100 in Hugging Face labels); without it such a label is refused, naming this option.
+            -100 in Hugging Face labels), the OOD table too (and the OOD set's positions so marked, where its
+            batches hold targets); without it such a label is refused, naming this option.
         label_key: the target's entry in a mapping batch (``"label"`` in a data set not yet collated by
             transformers).
 
@@ -442,7 +449,8 @@ def evaluate(
         if ood is not None:
             detection = ood_detection(
                 model, scored, _loader(data, batch_size), _loader(ood, batch_size), samples=samples, device=device,
-                transform=transform, outputs=outputs, output=key, label_key=label_key,
+                transform=transform, outputs=outputs, output=key, label_key=label_key, ignore_index=ignore_index,
+                targets=targets,
             )  # fmt: skip
     results = task_metrics(
         scored, outputs, targets, components=k, bins=bins, members=members, ignore_index=ignore_index
@@ -474,6 +482,8 @@ def ood_detection(
     outputs: Tensor | None = None,
     output: object = None,
     label_key: str = "labels",
+    ignore_index: int | None = None,
+    targets: Tensor | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, object]]:
     """How well each uncertainty score tells ``ood`` from ``data``, scored from the sampled predictive.
 
@@ -494,6 +504,10 @@ def ood_detection(
             they are sampled already (``samples > 1``) or the model is plain.
         output: the part of a structured output to score (see :func:`evaluate`); ``task`` may be the
             model's mapping of outputs to tasks, or that part's task.
+        ignore_index: positions whose target is this label (padding tokens, unlabelled pixels) are not scored,
+            in ``data`` and in ``ood`` where its batches hold targets (a mapping's ``label_key`` entry, or pairs);
+            ``data``'s targets are then needed.
+        targets: ``data``'s targets as the evaluation collected them alongside ``outputs``.
 
     Returns:
         ``(table, scoring)``: :func:`~bayesify.evaluation.ood.ood_metrics_per_score` of the two sets,
@@ -505,21 +519,45 @@ def ood_detection(
     k = num_components(model)
     m = (samples if samples > 1 else OOD_SAMPLES) if converted else 1
 
-    def members(batches: Iterable[Batch]) -> tuple[Tensor, object]:
-        with evaluation_mode(model):  # (the targets are not scored: a language model's are not shifted)
-            found, _, key = _collect_members(
-                model, batches, m, device, transform, None, converted, output, labels=False, label_key=label_key
-            )
-        return found, key
+    _check_ignore_index(ignore_index)
+    # the targets are read only to leave ignore_index's positions out (then aligned as evaluation aligns them: a
+    # language model's logits at t against the label at t + 1); the OOD set's where its batches hold them
+    ignoring = ignore_index is not None
 
-    reuse = outputs is not None and (not converted or samples > 1)
-    inside, key = (outputs, output) if reuse else members(data)
-    outside, key = members(ood)
+    def members(batches: Iterable[Batch], labels: bool | None) -> tuple[Tensor, Tensor, object]:
+        with evaluation_mode(model):
+            return _collect_members(
+                model, batches, m, device, transform, None, converted, output, labels=labels, label_key=label_key
+            )
+
+    reuse = outputs is not None and (not converted or samples > 1) and (ignore_index is None or targets is not None)
+    inside, inside_targets, key = (outputs, targets, output) if reuse else members(data, ignoring)
+    outside, outside_targets, key = members(ood, None if ignoring else False)
     scored = leaf_task(task, key, model)
-    u_in, u_out = scored.uncertainty(inside), scored.uncertainty(outside)
+    u_in = _scored_positions(scored.uncertainty(inside), inside_targets, ignore_index, "the test set")
+    u_out = _scored_positions(scored.uncertainty(outside), outside_targets, ignore_index, "the OOD set")
     table = ood_metrics_per_score(u_in, u_out)
     scoring = {"components": k, "samples": m, "sampled": converted, "notes": score_notes(u_in, u_out, table, k * m)}
     return table, scoring
+
+
+def _scored_positions(
+    uncertainty: object, targets: Tensor | None, ignore_index: int | None, name: str
+) -> dict[str, Tensor]:
+    """The OOD scores of ``uncertainty`` (:func:`~bayesify.evaluation.ood.ood_scores`), at the positions whose
+    target is not ``ignore_index`` (flattened) where there are an ``ignore_index`` and targets."""
+    scores = ood_scores(uncertainty)
+    if ignore_index is None or targets is None or targets.numel() == 0:
+        return scores
+    keep = targets != ignore_index
+    shapes = sorted({tuple(v.shape) for v in scores.values()})
+    if shapes != [tuple(keep.shape)]:
+        raise ValueError(
+            f"ignore_index={ignore_index}: the targets of {name} have shape {tuple(keep.shape)}, but its scores "
+            f"{shapes[0] if len(shapes) == 1 else shapes}: which positions to leave out cannot be told; give one "
+            "target per scored position."
+        )
+    return {score: value[keep] for score, value in scores.items()}
 
 
 def evaluate_corruptions(

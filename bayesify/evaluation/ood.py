@@ -146,7 +146,8 @@ def ood_metrics_per_score(
     in_uncertainty: ClassificationUncertainty | BinaryUncertainty | RegressionUncertainty,
     out_uncertainty: ClassificationUncertainty | BinaryUncertainty | RegressionUncertainty,
 ) -> dict[str, dict[str, float]]:
-    """:func:`ood_metrics` for every score of :func:`ood_scores`, between an in-distribution and an OOD set.
+    """:func:`ood_metrics` for every score of :func:`ood_scores`, between an in-distribution and an OOD set (each
+    an uncertainty, or its :func:`ood_scores` already taken: those of some positions only, say).
 
     Example:
         >>> table = ood_metrics_per_score(u_test, u_ood)
@@ -157,8 +158,12 @@ def ood_metrics_per_score(
             f"in_uncertainty is a {type(in_uncertainty).__name__} but out_uncertainty a "
             f"{type(out_uncertainty).__name__}; compute both with the same *_uncertainty function."
         )
-    inside, outside = ood_scores(in_uncertainty), ood_scores(out_uncertainty)
+    inside, outside = _score_table(in_uncertainty), _score_table(out_uncertainty)
     return {name: ood_metrics(inside[name], outside[name]) for name in inside}
+
+
+def _score_table(uncertainty: object) -> dict[str, Tensor]:
+    return uncertainty if isinstance(uncertainty, dict) else ood_scores(uncertainty)  # type: ignore[arg-type]
 
 
 _EPISTEMIC = {"mutual_information": "entropy", "epistemic_variance": "total_variance"}  # score: its total
@@ -181,14 +186,15 @@ def score_notes(
     familiar one.
 
     Args:
-        in_uncertainty, out_uncertainty: the uncertainty of the test set and of the OOD set.
+        in_uncertainty, out_uncertainty: the uncertainty of the test set and of the OOD set (or their
+            :func:`ood_scores`).
         table: their :func:`ood_metrics_per_score`.
         members: how many members the uncertainty was computed from.
 
     Returns:
         ``{score: note}`` for the scores that need one.
     """
-    inside, outside = ood_scores(in_uncertainty), ood_scores(out_uncertainty)
+    inside, outside = _score_table(in_uncertainty), _score_table(out_uncertainty)
 
     def both(name: str) -> Tensor:
         return torch.cat([inside[name].flatten(), outside[name].flatten()]).double()

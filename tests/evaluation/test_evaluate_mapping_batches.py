@@ -143,3 +143,30 @@ def test_a_plain_model_takes_mapping_batches_too(padded):
     mapping = evaluate(plain, _examples(noisy, mask, labels), batch_size=5)
     assert mapping["components"] == 1 and mapping["output"] == "logits"
     _assert_same(mapping, by_hand)
+
+
+@pytest.mark.parametrize("converted", [False, True])
+def test_an_ood_table_leaves_out_the_positions_ignore_index_leaves_out(converted):
+    """A token classifier's padding (labels -100) was scored as test tokens in the OOD table while every metric left
+    it out: against the same sequences unpadded, whose real tokens score alike, the AUROC read 0.516, not 0.5."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=37, num_labels=4, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)  # fmt: skip
+    model = transformers.BertForTokenClassification(config)
+    if converted:  # (a delta posterior: the sampled members repeat, so equal tokens score alike in both sets)
+        model = bayesify.convert(model, components=2, init="normal", posterior="delta")
+    g = torch.Generator().manual_seed(2)
+    ids, labels = torch.randint(1, 100, (20, 4), generator=g), torch.randint(0, 4, (20, 4), generator=g)
+    pad = torch.zeros(20, 6, dtype=torch.long)
+    padded = [{"input_ids": i, "attention_mask": m, "labels": y} for i, m, y in zip(
+        torch.cat([ids, pad], 1), torch.cat([torch.ones_like(ids), pad], 1), torch.cat([labels, pad - 100], 1))]  # fmt: skip
+    unpadded = [{"input_ids": i, "attention_mask": torch.ones_like(i)} for i in ids]
+    task = bayesify.predictive.resolve_task("classification", class_axis=-1)
+    for ood in (unpadded, padded):  # the OOD set's own padding is left out where its labels mark it
+        report = evaluate(model, padded, ignore_index=-100, ood=ood, task=task, batch_size=8)
+        assert report["ignored"] == 120
+        for score in ("entropy", "max_probability"):
+            assert report["ood"][score]["auroc"] == pytest.approx(0.5), score
+    with pytest.raises(ValueError, match=r"1 of the 3 batches hold targets"):
+        evaluate(model, padded, ignore_index=-100, ood=unpadded[:16] + padded[:4], task=task, batch_size=8)
