@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import threading
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -48,6 +49,17 @@ from bayesify.predictive.tasks import Members, Task
 from bayesify.variational.draws import Block, Draw, PassDraws, saved_tensors_hooked
 
 __all__ = ["ForwardState", "RouteSpec", "Router", "is_example_list", "member_rows"]
+
+
+_in_flight = threading.local()  # .routers: the routers of the converted models whose forward runs on this thread
+
+
+def _passes_in_flight() -> list["Router"]:
+    """The routers whose root's forward pass is in flight on this thread, innermost last (kept eagerly only)."""
+    routers = getattr(_in_flight, "routers", None)
+    if routers is None:
+        routers = _in_flight.routers = []
+    return routers
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,7 @@ class ForwardState:
     inputs: dict = field(default_factory=dict)  # the call's keyword arguments as given (a task may read them)
     input_shape: tuple[int, ...] | None = None  # the first tensor input's shape as given (for an error message)
     draws: PassDraws | None = None  # the factors drawn for this pass (the model state sets it: variational/draws.py)
+    module_ids: frozenset[int] | None = None  # the root's modules, where a foreign layer's call asked (Router._foreign_call)
 
     @property
     def signature(self) -> tuple:
@@ -259,6 +272,7 @@ class Router:
         * the mixture (evaluation's default) and the tiled route tile the inputs and reduce the outputs in the
           root's forward, which this call bypasses: a one-line error names what to do instead.
         """
+        self._foreign_call(layer)
         training = True if layer is None else layer.training
         spec = self.resolve(training)
         common = dict(noise=spec.noise, per_block=self.options.sampling is Sampling.COMPONENT, layer=layer)
@@ -285,6 +299,39 @@ class Router:
         root = self.root
         name = None if root is None else next((n for n, m in root.named_modules() if m is layer), None)
         return f"{type(layer).__name__} {name!r}" if name else type(layer).__name__
+
+    def _foreign_call(self, layer: nn.Module | None) -> None:
+        """Refuse a layer of this model that runs inside another converted model's forward pass, as a part of that
+        model (moved there: ``a.head = copy.deepcopy(b.head)``): it would route its rows by this model's rules, not
+        by the pass's, mixing two members in each row, silently in training. A part of this model called by
+        another's forward (a converted teacher's ``forward_features`` inside a student's) is not such a layer."""
+        if layer is None or torch.compiler.is_compiling():
+            return
+        passes = _passes_in_flight()
+        if not passes or passes[-1] is self:
+            return
+        running = passes[-1]
+        state, root = running.state, running.root
+        if not running.active or state is None or root is None:
+            return
+        if state.module_ids is None:  # (once per pass, and only on this rare path)
+            state.module_ids = frozenset(id(m) for m in root.modules())
+        if id(layer) in state.module_ids:
+            name = next((n for n, m in root.named_modules() if m is layer), "")
+            origin = type(self.root).__name__ if self.root is not None else "one no longer there"
+            raise RuntimeError(
+                f"{type(layer).__name__} {name!r} runs in the forward pass of {type(root).__name__} as a part of it, but "
+                f"belongs to another converted model ({origin}): it was put there from that model (a trained head on "
+                "another network, say), and would route its rows by that model's rules, not this pass's; "
+                f"bayesify.convert(model) on the {type(root).__name__} adopts it."
+            )
+
+    def _enter(self) -> None:
+        self.active = True
+        if not torch.compiler.is_compiling():
+            passes = _passes_in_flight()
+            passes[:] = [router for router in passes if router.active]  # (a pass that ended in an error, left behind)
+            passes.append(self)
 
     # ---- the root's forward pass (its model state's hooks call these) -------------------------
 
@@ -316,7 +363,7 @@ class Router:
             batch, device = int(first.batch_sizes[0]), first.data.device
         else:
             batch, device = (1 if axis is None else first.shape[axis]), first.device
-        self.active = True
+        self._enter()
         if spec.route is Route.SAMPLE:
             if self.options.sampling is Sampling.EXAMPLE:  # the reference: a random component per example
                 rows = torch.randint(self.components, (batch,), device=device)
@@ -389,7 +436,7 @@ class Router:
             )
         component = spec.component if spec.route is Route.COMPONENT else int(torch.randint(self.components, ()))
         rows = torch.full((batch,), component, dtype=torch.long, device=device)
-        self.active = True
+        self._enter()
         self.state = ForwardState(spec=spec, rows=rows, blocks=((0, batch),), block_components=rows[:1], batch=batch, axis=0)
         return args, kwargs
 
@@ -397,6 +444,12 @@ class Router:
         """After the root's forward: a mixture's tiled output reduced by the pass's task, else ``task`` (the model's)."""
         # rows stay in self.state for a backward pass that recomputes this forward (see live())
         self.active = False
+        if not torch.compiler.is_compiling():
+            passes = _passes_in_flight()
+            for i in range(len(passes) - 1, -1, -1):  # (by identity: a Router compares its fields)
+                if passes[i] is self:
+                    del passes[i]
+                    break
         state = self.state
         if state is None:
             return output

@@ -223,8 +223,11 @@ def convert(
     input_positions(model, config.unbatched_inputs)  # (an input the forward does not have: refused before any change)
     table = _swap_table(mapping, config)
     said = config.resolved_task()  # what the caller said of the output (Auto: nothing)
+    adopted = [] if existing is None else _adopt(model, existing)
     state = _state_for(model, config, said)
-    plan, skipped = _plan(model, table, _as_patterns("include", include), _as_patterns("exclude", exclude))
+    plan, skipped = _plan(
+        model, table, _as_patterns("include", include), _as_patterns("exclude", exclude), adopted=bool(adopted)
+    )
     # one prior for every layer, its scale following the depth unless given (Rank1Config.resolved_prior_std)
     layer_options = config.layer_options(sum(issubclass(layer_class, Rank1Layer) for _, _, layer_class in plan))
     if second:  # and the layers' options not said are the model's layers' (a new head is one of them)
@@ -275,9 +278,10 @@ def _swap_table(
 
 
 def _plan(
-    model: nn.Module, table: dict, includes: list[str] | None, excludes: list[str] | None
+    model: nn.Module, table: dict, includes: list[str] | None, excludes: list[str] | None, *, adopted: bool = False
 ) -> tuple[Plan, dict[str, Skip]]:
-    """Which modules to convert (name, module, layer class) and why each other weight-bearing one is not."""
+    """Which modules to convert (name, module, layer class) and why each other weight-bearing one is not
+    (``adopted``: converted layers of another model were taken in, so a plan with nothing new is no mistake)."""
     plan: Plan = []
     skipped: dict[str, Skip] = {}
     used_patterns: set[str] = set()
@@ -315,7 +319,7 @@ def _plan(
         )
     if not plan:
         if next(rank1_layers(model), None) is not None:
-            if any(skip.kind is SkipKind.EXCLUDED for skip in skipped.values()):
+            if adopted or any(skip.kind is SkipKind.EXCLUDED for skip in skipped.values()):
                 return plan, skipped  # a second call that says which new modules stay deterministic (the report)
             raise ValueError(
                 f"{type(model).__name__} is already converted and nothing new matched; it was left unchanged. "
@@ -391,6 +395,29 @@ def _existing_state(model: nn.Module) -> ModelState | None:
     if state is None:
         state = next((layer.rank1_state.model for _, layer in rank1_layers(model)), None)
     return state
+
+
+def _adopt(model: nn.Module, existing: ModelState) -> list[str]:
+    """Take in the converted layers of ``model`` that belong to another converted model (a trained head put on
+    this network from another: ``a.head = copy.deepcopy(b.head)``, or a part converted on its own): their tables
+    leave the other model's groups, to join this one's (``_finish``); their own options stay. The names taken in;
+    a layer with another number of components is refused (its tables are ``[K, F]``)."""
+    adopted = []
+    for name, layer in rank1_layers(model):
+        theirs = layer.rank1_state.model
+        if theirs is existing:
+            continue
+        if theirs.options.components != existing.options.components:
+            raise ValueError(
+                f"{name} ({type(layer).__name__}) was converted with components={theirs.options.components} and "
+                f"{type(model).__name__} with components={existing.options.components}; its tables cannot join this "
+                "model's: convert that layer's original (bayesify.revert it) with the model's components."
+            )
+        for _, factor in layer.rank1_factors():
+            factor.rank1_slot = None
+        layer.rank1_state.packed = {}
+        adopted.append(name)
+    return adopted
 
 
 def _state_for(model: nn.Module, config: Rank1Config, said: Task) -> ModelState:

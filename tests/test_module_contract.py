@@ -559,3 +559,41 @@ def test_predict_on_a_model_left_in_training_mode_says_its_batch_norms_moved() -
         bayesify.predict(model, torch.randn(5, 4))  # once
         fresh = bayesify.convert(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)), task="classification")
         bayesify.predict(fresh.eval(), torch.randn(5, 4))
+
+
+def test_a_converted_layer_put_in_from_another_model_is_refused_until_convert_adopts_it() -> None:
+    """``a.fc = copy.deepcopy(b.fc)`` (a trained rank-1 head on another backbone): the head routed its rows by b's
+    rules inside a's pass (each training row a mix of two members, silently; in evaluation an error whose advice
+    failed too), and ``convert(a)`` said "nothing new matched". Now a's pass refuses it in one line naming the fix,
+    and ``convert(a)`` takes it in: its tables join a's groups, its values stay."""
+    a, b = _resnet(), _resnet()
+    with torch.no_grad():
+        b.fc.rank1_s.loc.add_(0.5)
+    a.fc = copy.deepcopy(b.fc)
+    x, _ = _batch(4)
+    for training in (True, False):
+        a.train(training)
+        with pytest.raises(RuntimeError, match=r"Rank1Linear 'fc' runs in the forward pass of ResNet as a part of it, "
+                                               r"but belongs to another converted model.*bayesify.convert\(model\)"):
+            a(x)
+    s_loc = a.fc.rank1_s.loc.detach().clone()
+    assert bayesify.convert(a) is a
+    assert a.fc.rank1_state.model is a.rank1_model and torch.equal(a.fc.rank1_s.loc, s_loc)
+    assert bayesify.rank1_parameters(a)  # (and the KL takes the adopted head's terms with the others)
+    a.eval()
+    members = _members(a, x)
+    fc = a.fc
+    for k in range(K):
+        with bayesify.mode(a, component=k, noise=False), torch.no_grad():
+            features = a.forward_head(a.forward_features(x), pre_logits=True)
+        expected = (features * fc.rank1_s.loc[k]) @ fc.weight.T * fc.rank1_r.loc[k] + fc.bias + fc.rank1_bias[k]
+        torch.testing.assert_close(members[k], expected)
+    # each training row is one member of a (the sample route through a's components, the head's included)
+    a.train()
+    for m in a.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+    with bayesify.mode(a, noise=False), torch.no_grad():
+        rows = a(x)
+    distance = (members[:, None] - rows[None]).abs().amax(-1).min(0).values
+    assert distance.max() < 1e-5
