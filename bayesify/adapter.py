@@ -7,6 +7,10 @@ pretrained function stays fixed and only its rank-1 posterior is learned, about 
 parameters of a ResNet (the factors scale the frozen weights per component, so the members
 still differ in what they compute, not only in their noise).
 
+A head made for a new task (new classes) is a parameter bayesify did not add: make it trainable
+again after :func:`freeze_base` (``model.get_classifier().requires_grad_(True)`` for timm), or its
+random weights are only rescaled by the factors.
+
 Only parameters are frozen. Batch-norm running statistics are buffers: in ``model.train()``
 they keep updating on the new data, as in any frozen-backbone fine-tune. Whether that is wanted
 is the user's choice; to keep the pretrained statistics, put the normalisation layers back in
