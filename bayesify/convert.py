@@ -223,8 +223,12 @@ def convert(
     input_positions(model, config.unbatched_inputs)  # (an input the forward does not have: refused before any change)
     table = _swap_table(mapping, config)
     said = config.resolved_task()  # what the caller said of the output (Auto: nothing)
-    adopted = [] if existing is None else _adopt(model, existing)
-    state = _state_for(model, config, said)
+    adopted = [] if existing is None else _foreign_layers(model, existing)
+    state = _state_for(model, config, said)  # (every layer takes the model's state: the foreign ones are adopted)
+    for layer in adopted:  # their tables leave the other model's groups, to join this one's (_finish)
+        for _, factor in layer.rank1_factors():
+            factor.rank1_slot = None
+        layer.rank1_state.packed = {}
     plan, skipped = _plan(
         model, table, _as_patterns("include", include), _as_patterns("exclude", exclude), adopted=bool(adopted)
     )
@@ -397,12 +401,11 @@ def _existing_state(model: nn.Module) -> ModelState | None:
     return state
 
 
-def _adopt(model: nn.Module, existing: ModelState) -> list[str]:
-    """Take in the converted layers of ``model`` that belong to another converted model (a trained head put on
-    this network from another: ``a.head = copy.deepcopy(b.head)``, or a part converted on its own): their tables
-    leave the other model's groups, to join this one's (``_finish``); their own options stay. The names taken in;
-    a layer with another number of components is refused (its tables are ``[K, F]``)."""
-    adopted = []
+def _foreign_layers(model: nn.Module, existing: ModelState) -> list[nn.Module]:
+    """The converted layers of ``model`` that belong to another converted model (a trained head put on this network
+    from another: ``a.head = copy.deepcopy(b.head)``, or a part converted on its own), for this model to adopt
+    (their own options stay); one with another number of components is refused (its tables are ``[K, F]``)."""
+    foreign = []
     for name, layer in rank1_layers(model):
         theirs = layer.rank1_state.model
         if theirs is existing:
@@ -413,11 +416,8 @@ def _adopt(model: nn.Module, existing: ModelState) -> list[str]:
                 f"{type(model).__name__} with components={existing.options.components}; its tables cannot join this "
                 "model's: convert that layer's original (bayesify.revert it) with the model's components."
             )
-        for _, factor in layer.rank1_factors():
-            factor.rank1_slot = None
-        layer.rank1_state.packed = {}
-        adopted.append(name)
-    return adopted
+        foreign.append(layer)
+    return foreign
 
 
 def _state_for(model: nn.Module, config: Rank1Config, said: Task) -> ModelState:

@@ -535,22 +535,26 @@ def ood_detection(
     outside, outside_targets, key = members(ood, None if ignoring else False)
     scored = leaf_task(task, key, model)
     u_in = _scored_positions(scored.uncertainty(inside), inside_targets, ignore_index, "the test set")
-    u_out = _scored_positions(scored.uncertainty(outside), outside_targets, ignore_index, "the OOD set")
+    u_out = _scored_positions(scored.uncertainty(outside), outside_targets, ignore_index, None)
     table = ood_metrics_per_score(u_in, u_out)
     scoring = {"components": k, "samples": m, "sampled": converted, "notes": score_notes(u_in, u_out, table, k * m)}
     return table, scoring
 
 
 def _scored_positions(
-    uncertainty: object, targets: Tensor | None, ignore_index: int | None, name: str
+    uncertainty: object, targets: Tensor | None, ignore_index: int | None, name: str | None
 ) -> dict[str, Tensor]:
     """The OOD scores of ``uncertainty`` (:func:`~bayesify.evaluation.ood.ood_scores`), at the positions whose
-    target is not ``ignore_index`` (flattened) where there are an ``ignore_index`` and targets."""
+    target is not ``ignore_index`` (flattened) where there are an ``ignore_index`` and targets. Targets of another
+    shape than the scores are refused for the set ``name``; for an OOD set (``name`` None) they are dummy labels
+    (one per image of a segmentation set), which mark no position."""
     scores = ood_scores(uncertainty)
     if ignore_index is None or targets is None or targets.numel() == 0:
         return scores
     keep = targets != ignore_index
     shapes = sorted({tuple(v.shape) for v in scores.values()})
+    if shapes != [tuple(keep.shape)] and name is None:
+        return scores
     if shapes != [tuple(keep.shape)]:
         raise ValueError(
             f"ignore_index={ignore_index}: the targets of {name} have shape {tuple(keep.shape)}, but its scores "

@@ -162,6 +162,10 @@ def test_segmentation_is_scored_per_pixel_on_its_out_leaving_out_an_ignore_index
     assert results["accuracy"] == pytest.approx(float((log_p.argmax(1) == y)[labelled].float().mean()))
     aux = evaluate(model, data, ignore_index=255, output="aux", members=False)
     assert aux["output"] == "aux" and aux["nll"] != results["nll"]
+    # an OOD set of images with a dummy label each (no mask): its every pixel is scored, the test set's labelled ones
+    ood = TensorDataset(torch.randn(2, 3, 16, 16), torch.zeros(2))
+    table = evaluate(model, data, ignore_index=255, ood=ood, batch_size=2, members=False)["ood"]
+    assert 0.0 <= table["entropy"]["auroc"] <= 1.0
 
 
 def test_a_structured_output_without_a_primary_part_is_refused_naming_output():
