@@ -300,6 +300,22 @@ class Router:
         name = None if root is None else next((n for n, m in root.named_modules() if m is layer), None)
         return f"{type(layer).__name__} {name!r}" if name else type(layer).__name__
 
+    def batch_dim_hint(self, rows: int) -> str:
+        """Where a layer's call has ``rows`` that are not the pass's batch, but the model's input has that size at
+        another dimension than ``batch_dim``: a hint that the batch lies there (a time-major ``[T, B, C]`` input of a
+        model converted with the default ``batch_dim=0``); else ''."""
+        state = self.state
+        if state is None or state.input_shape is None or state.axis is None or rows == state.batch:
+            return ""
+        others = [i for i, size in enumerate(state.input_shape) if size == rows and i != state.axis]
+        if len(others) != 1:
+            return ""
+        return (
+            f" The model's input (shape {state.input_shape}) has {rows} at dimension {others[0]}: if its batch lies "
+            f"there (a time-major [T, B, C] input), convert with batch_dim={others[0]}: the pass took dimension "
+            f"{state.axis}'s {state.batch} as the batch."
+        )
+
     def _foreign_call(self, layer: nn.Module | None) -> None:
         """Refuse a layer of this model that runs inside another converted model's forward pass, as a part of that
         model (moved there: ``a.head = copy.deepcopy(b.head)``): it would route its rows by this model's rules, not
@@ -364,19 +380,22 @@ class Router:
         else:
             batch, device = (1 if axis is None else first.shape[axis]), first.device
         self._enter()
+        shape = tuple(first.shape) if isinstance(first, Tensor) else None  # (as given: for an error message, a hint)
         if spec.route is Route.SAMPLE:
             if self.options.sampling is Sampling.EXAMPLE:  # the reference: a random component per example
                 rows = torch.randint(self.components, (batch,), device=device)
-                self.state = ForwardState(spec=spec, rows=rows, batch=batch, axis=axis)
+                self.state = ForwardState(spec=spec, rows=rows, batch=batch, axis=axis, input_shape=shape)
             else:
                 rows, blocks, components = _balanced_blocks(self.components, batch, device)
-                self.state = ForwardState(spec=spec, rows=rows, blocks=blocks, block_components=components, batch=batch, axis=axis)
+                self.state = ForwardState(
+                    spec=spec, rows=rows, blocks=blocks, block_components=components, batch=batch, axis=axis, input_shape=shape
+                )
             return args, kwargs
         if spec.route is Route.COMPONENT:
             rows = torch.full((batch,), spec.component, dtype=torch.long, device=device)
             self.state = ForwardState(
                 spec=spec, rows=rows, blocks=((0, batch),), block_components=rows[:1], fixed_components=(spec.component,),
-                batch=batch, axis=axis,
+                batch=batch, axis=axis, input_shape=shape,
             )  # fmt: skip
             return args, kwargs
         # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B); one block per member
@@ -387,7 +406,7 @@ class Router:
         fixed = tuple(i // spec.samples for i in range(members))
         self.state = ForwardState(
             spec=spec, rows=rows, blocks=blocks, block_components=components, fixed_components=fixed, batch=batch,
-            axis=axis, members=members, inputs=kwargs, input_shape=tuple(first.shape) if isinstance(first, Tensor) else None,
+            axis=axis, members=members, inputs=kwargs, input_shape=shape,
         )  # fmt: skip
 
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None

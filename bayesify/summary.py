@@ -199,7 +199,7 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
     for name, layer in layers.items():
         layer.rank1_state.bypassed_by = set()
         layer.rank1_state.intercepted_by = None
-        layer.rank1_state.batch_independent = False
+        layer.rank1_state.batch_independent, layer.rank1_state.batch_dim_hint = False, ""
         handles.append(layer.register_forward_pre_hook(lambda m, a, n=name: ran.add(n)))
     watcher = WeightUses(watched_parameters(model, layers))
     try:
@@ -231,7 +231,11 @@ def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None
         elif layer.rank1_state.batch_independent:
             report.shared[name] = ("ran on an input that does not depend on the batch: one component's factors for "
                                      f"every member's rows (not their exact mixture); convert(..., exclude=[{name!r}]) "
-                                     "keeps it deterministic")  # fmt: skip
+                                     "keeps it deterministic" + _sentence(layer.rank1_state.batch_dim_hint))  # fmt: skip
+
+
+def _sentence(hint: str) -> str:
+    return f". {hint.strip()}" if hint else ""
 
 
 @contextmanager

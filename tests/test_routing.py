@@ -470,6 +470,34 @@ def test_a_layer_that_sees_the_batch_elsewhere_is_named_and_so_is_a_batch_indepe
     assert not bayesify.summary(kept, torch.randn(4, 6)).shared
 
 
+def test_a_time_major_model_left_at_batch_dim_0_is_told_to_say_batch_dim_1() -> None:
+    """nn.LSTM's default [T, B, C] input, converted with the default batch_dim=0: every example of a training step
+    went through one component (the pass took T as the batch), and the one warning, and summary, named the head and
+    convert(..., exclude=...), which fixes nothing. Both now name batch_dim=1, from the input's shape."""
+
+    class LastStep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.head = nn.LSTM(3, 16), nn.Linear(16, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(x)[0][-1])
+
+    x = torch.randn(10, 8, 3)  # T=10, B=8
+    model = bayesify.convert(LastStep(), components=4, task="classification").train()
+    with pytest.warns(UserWarning, match=r"'head' ran on an input of shape \(8, 16\) that does not depend on the batch.* "
+                                         r"The model's input \(shape \(10, 8, 3\)\) has 8 at dimension 1: .*batch_dim=1"):
+        model(x)
+    assert "batch_dim=1" in bayesify.summary(model, x).shared["head"]
+    fixed = bayesify.convert(LastStep(), components=4, task="classification", batch_dim=1).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed(x)
+    # a learned table through a layer (no other dimension of the input has its rows): no such hint
+    table = bayesify.convert(_TableNet(), components=2, task="classification")
+    assert "batch_dim" not in bayesify.summary(table, torch.randn(4, 6)).shared["proj"]
+
+
 def test_an_output_with_its_batch_elsewhere_than_the_input_is_reduced_there() -> None:
     # a time-major RNN (batch_dim=1) whose head takes the last step: the output [B, C] has its batch at dimension 0
     class LastStep(nn.Module):

@@ -266,6 +266,7 @@ class Rank1Affine(Rank1Layer):
             # the mixture is not the members' mixture. It cannot be done per member (the output is broadcast
             # against the batch), so say so, once, where the pass mixes several components
             self.rank1_state.batch_independent = True
+            self.rank1_state.batch_dim_hint = router.batch_dim_hint(x.shape[batch_axis])
             warned = self.rank1_state.model.warned
             if state is not None and (state.blocks is None or len(state.blocks) > 1) and "batch-independent" not in warned:
                 warned.add("batch-independent")  # once per model (SwinV2 has two such layers a block)
@@ -273,7 +274,8 @@ class Rank1Affine(Rank1Layer):
                     f"{router.layer_name(self)} ran on an input of shape {tuple(x.shape)} that does not depend on the "
                     f"batch ({rows} rows): it runs one component's factors for every member's rows, so the members "
                     "share this layer's draw and the predictive is not their exact mixture. Leave it deterministic "
-                    "with convert(..., exclude=[its name]); bayesify.summary(model, x) lists every such layer.",
+                    "with convert(..., exclude=[its name]); bayesify.summary(model, x) lists every such layer."
+                    + self.rank1_state.batch_dim_hint,
                     stacklevel=2,
                 )
             return

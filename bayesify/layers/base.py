@@ -111,6 +111,7 @@ class LayerState:
     bypassed_by: set[str] = field(default_factory=set)  # functions that used the weight directly (summary)
     intercepted_by: str | None = None  # the last function whose use of the weight was routed here
     batch_independent: bool = False  # it ran on an input that does not depend on the batch (summary)
+    batch_dim_hint: str = ""  # ... whose rows the model's input has at another dimension than batch_dim (summary)
     # where the batch lies in its inputs when its place in the model says (a Linear of torch's time-major transformer
     # layer, batch_first=False: 1, as that layer's attention); None: the model's batch_dim
     batch_axis: int | None = None
