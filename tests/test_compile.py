@@ -393,6 +393,25 @@ def test_a_compiled_step_hands_each_layer_its_draws_per_row_without_copies() -> 
     assert _copies_of_rows("inductor") == []
 
 
+def test_a_training_step_compiled_by_inductor_with_dynamic_shapes_runs_its_convolutions_per_row() -> None:
+    """``torch.compile(model, dynamic=True)`` of a converted CNN failed in inductor ("cannot determine truth value of
+    Relational: 1 < s69", in its stride order): ``sampling="auto"`` folds a network's first convolution in
+    training, K convolutions of blocks of a symbolic size. Under a symbolic shape no layer folds now (the per-row
+    path: one function for every size, no guard); the step runs and takes every gradient, at two batch sizes."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 5))
+    model = bayesify.convert(net, components=4, task="classification")
+    step = torch.compile(model.train(), dynamic=True)
+    for batch in (8, 5):
+        model.zero_grad()
+        out = step(torch.randn(batch, 3, 6, 6))
+        assert out.shape == (batch, 5) and torch.isfinite(out).all()
+        (out.logsumexp(-1).sum() + bayesify.kl_loss(model, 100)).backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
 @pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
 def test_a_compiled_training_step_takes_another_batch_size_in_one_graph(dynamic: bool | None) -> None:
     """A training loop's last partial batch (no ``drop_last``): torch.compile makes the batch symbolic from the second

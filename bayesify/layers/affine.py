@@ -27,6 +27,12 @@ from bayesify.options import Perturbation, Sampling
 __all__ = ["Fold", "Rank1Affine"]
 
 
+def _concrete(size: int) -> bool:
+    """Whether ``size`` is a number where it is traced, not a symbol of a dynamic shape. (Dynamo answers a type
+    check of a symbolic size as of an int; a symbol's parity is not known, whatever range it is given.)"""
+    return statically_known_true(size % 2 == 0) or statically_known_true(size % 2 == 1)
+
+
 def _members_fixed(draw: Draw) -> bool:
     # the posterior means of members the route fixes, outside a traced graph (whose weights are symbolic)
     return (
@@ -336,12 +342,17 @@ class Rank1Affine(Rank1Layer):
             # one convolution of K*B rows then beats K folded weights and K convolutions of B rows (ResNet-18,
             # 32 px, CPU: 1.06x the compiled original at K*B against 1.21x folded where the byte count says so)
             return False
+        for size in x.shape:  # (a loop: Dynamo traces this for every layer)
+            if not _concrete(size):
+                # a symbolic shape (torch.compile(dynamic=True), or a dimension made dynamic by a second size;
+                # torch.export): the per-row path, one function for every size without a guard on it. (Folded,
+                # inductor failed to lower a training step's K convolutions of symbolic blocks: "cannot determine
+                # truth value of Relational" in its stride order)
+                return False
         if self.rank1_stem_folds and torch.is_grad_enabled() and not x.requires_grad and self.rank1_s.loc.requires_grad:
             return True  # (a frozen s needs no input gradient on the per-row path either: the byte count decides)
         activations = x.numel() + self.rank1_output_numel(x)
-        # a symbolic batch (torch.export, torch.compile with dynamic shapes): never guard on the batch size for
-        # this choice of speed (both paths compute the same function); fold only when it pays for every batch,
-        # so an exported graph holds one path for all batch sizes
+        # (a shape can still be symbolic where this is reached, a derived one say: no guard on it for this choice)
         return statically_known_true(8 * len(draw.blocks) * weight.numel() < 3 * activations)
 
     def _rank1_groups(self) -> int:
