@@ -54,7 +54,7 @@ __all__ = ["ForwardState", "RouteSpec", "Router", "is_example_list", "member_row
 _in_flight = threading.local()  # .routers: the routers of the converted models whose forward runs on this thread
 
 
-def _passes_in_flight() -> list["Router"]:
+def _passes_in_flight() -> list[Router]:
     """The routers whose root's forward pass is in flight on this thread, innermost last (kept eagerly only)."""
     routers = getattr(_in_flight, "routers", None)
     if routers is None:
