@@ -393,15 +393,17 @@ def test_a_compiled_step_hands_each_layer_its_draws_per_row_without_copies() -> 
     assert _copies_of_rows("inductor") == []
 
 
-def test_a_training_step_compiled_by_inductor_with_dynamic_shapes_runs_its_convolutions_per_row() -> None:
+@pytest.mark.parametrize("sampling", ["auto", "component"])
+def test_a_training_step_compiled_by_inductor_with_dynamic_shapes_runs_its_convolutions_per_row(sampling: str) -> None:
     """``torch.compile(model, dynamic=True)`` of a converted CNN failed in inductor ("cannot determine truth value of
     Relational: 1 < s69", in its stride order): ``sampling="auto"`` folds a network's first convolution in
     training, K convolutions of blocks of a symbolic size. Under a symbolic shape no layer folds now (the per-row
-    path: one function for every size, no guard); the step runs and takes every gradient, at two batch sizes."""
+    path: one function for every size, no guard; ``sampling="component"``, which folds everywhere, draws once per
+    block there too); the step runs and takes every gradient, at two batch sizes."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 5))
-    model = bayesify.convert(net, components=4, task="classification")
+    model = bayesify.convert(net, components=4, task="classification", sampling=sampling)
     step = torch.compile(model.train(), dynamic=True)
     for batch in (8, 5):
         model.zero_grad()

@@ -327,6 +327,13 @@ class Rank1Affine(Rank1Layer):
         sampling = self.rank1_state.model.options.sampling  # model-wide: the model's one copy
         if draw.blocks is None or sampling is Sampling.EXAMPLE:
             return False
+        for size in x.shape:  # (a loop: Dynamo traces this for every layer)
+            if not _concrete(size):
+                # a symbolic shape (torch.compile(dynamic=True), or a dimension made dynamic by a second size;
+                # torch.export): the per-row path, one function for every size without a guard on it, and with
+                # sampling='component' still one draw per block (Draw.sample). (Folded, inductor failed to lower a
+                # training step's K convolutions of symbolic blocks: "cannot determine truth value of Relational")
+                return False
         if sampling is Sampling.COMPONENT:
             return True
         if draw.noise and not self.training:
@@ -342,13 +349,6 @@ class Rank1Affine(Rank1Layer):
             # one convolution of K*B rows then beats K folded weights and K convolutions of B rows (ResNet-18,
             # 32 px, CPU: 1.06x the compiled original at K*B against 1.21x folded where the byte count says so)
             return False
-        for size in x.shape:  # (a loop: Dynamo traces this for every layer)
-            if not _concrete(size):
-                # a symbolic shape (torch.compile(dynamic=True), or a dimension made dynamic by a second size;
-                # torch.export): the per-row path, one function for every size without a guard on it. (Folded,
-                # inductor failed to lower a training step's K convolutions of symbolic blocks: "cannot determine
-                # truth value of Relational" in its stride order)
-                return False
         if self.rank1_stem_folds and torch.is_grad_enabled() and not x.requires_grad and self.rank1_s.loc.requires_grad:
             return True  # (a frozen s needs no input gradient on the per-row path either: the byte count decides)
         activations = x.numel() + self.rank1_output_numel(x)
