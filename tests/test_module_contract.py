@@ -579,7 +579,12 @@ def test_a_converted_layer_put_in_from_another_model_is_refused_until_convert_ad
     s_loc = a.fc.rank1_s.loc.detach().clone()
     assert bayesify.convert(a) is a
     assert a.fc.rank1_state.model is a.rank1_model and torch.equal(a.fc.rank1_s.loc, s_loc)
-    assert bayesify.rank1_parameters(a)  # (and the KL takes the adopted head's terms with the others)
+    before = bayesify.kl_divergence(a).item()  # the KL takes the adopted head's terms with the others
+    with torch.no_grad():
+        a.fc.rank1_s.rho.add_(0.5)
+    assert bayesify.kl_divergence(a).item() != pytest.approx(before)
+    with torch.no_grad():
+        a.fc.rank1_s.rho.sub_(0.5)
     a.eval()
     members = _members(a, x)
     fc = a.fc
