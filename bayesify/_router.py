@@ -39,12 +39,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from bayesify.config import ModelOptions
 from bayesify.mixture import split_members, tile
 from bayesify.options import Route, Sampling
-from bayesify.predictive.outputs import check_rows, is_packed, primary_leaf, reduce_output, rows_axis
+from bayesify.predictive.outputs import (
+    check_rows,
+    is_packed,
+    members_own_pairs,
+    output_key,
+    primary_leaf,
+    reduce_output,
+    rows_axis,
+)
 from bayesify.predictive.tasks import Members, Task
 from bayesify.variational.draws import Block, Draw, PassDraws, saved_tensors_hooked
 
@@ -501,11 +509,12 @@ class Router:
         state = self.state
         assert state is not None, "split() follows a routed forward pass"
         batch, axis = state.batch, state.axis
-        leaves, tree = tree_flatten(output, is_leaf=is_packed)
+        leaves, tree = tree_flatten_with_path(output, is_leaf=is_packed)
         axes = self.output_axes(root, output, axis)
 
-        def split_leaf(t: object, dim: int | None) -> object:
+        def split_leaf(path: tuple, t: object, dim: int | None) -> object:
             if axis is not None and batch:  # (the batch may lie elsewhere in an output: as the reduction finds it)
+                t = members_own_pairs(output_key(path), t, state.members, batch)
                 dim = rows_axis(t, dim, state.members * batch)
             if dim is None or not isinstance(t, Tensor) or t.dim() <= dim:
                 return t
@@ -517,7 +526,7 @@ class Router:
                 return t
             return split_members(t, t.shape[dim] // batch, dim)
 
-        return tree_unflatten([split_leaf(t, d) for t, d in zip(leaves, axes)], tree)
+        return tree_unflatten([split_leaf(path, t, d) for (path, t), d in zip(leaves, axes)], tree)
 
 
 def _balanced_blocks(components: int, batch: int, device: torch.device) -> tuple[Tensor, tuple[Block, ...], Tensor]:

@@ -27,6 +27,22 @@ def is_packed(value: object) -> bool:
     return isinstance(value, PackedSequence)
 
 
+# outputs that pair the batch's examples with each other (a contrastive image-text model's similarity matrices: CLIP,
+# SigLIP, ALIGN): [B, B] of the model, [M*B, M*B] of a tiled pass, whose blocks off the diagonal pair one member's
+# images with another member's texts
+PAIRWISE_OUTPUTS = frozenset({"logits_per_image", "logits_per_text"})
+
+
+def members_own_pairs(key: Any, t: object, members: int, batch: int) -> object:
+    """A pairwise output of a tiled pass (``key`` in :data:`PAIRWISE_OUTPUTS`, ``[M*B, M*B]``) as each member's own
+    pairs, the diagonal blocks stacked on the rows, ``[M*B, B]``; any other leaf as it is. (Reduced on its rows
+    alone, it came back ``[B, M*B]``: the similarity of the mixture's images with every member's texts.)"""
+    rows = members * batch
+    if key in PAIRWISE_OUTPUTS and isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] == t.shape[1] == rows and batch:
+        return torch.cat([t[k * batch : (k + 1) * batch, k * batch : (k + 1) * batch] for k in range(members)])
+    return t
+
+
 def output_key(path: tuple) -> Any:
     """The top-level key, attribute or index of an output leaf's path (None for a bare tensor)."""
     if not path:
@@ -80,6 +96,7 @@ def reduce_output(
     def reduce(path: tuple, t: object, dim: int | None) -> object:
         key = output_key(path)
         if axis is not None:
+            t = members_own_pairs(key, t, members, batch)
             dim = rows_axis(t, dim, members * batch)
         if isinstance(t, PackedSequence):
             return _reduce_packed(t, members, batch, leaf_task(task, key, model, t, members))

@@ -330,3 +330,28 @@ def test_a_gaussian_task_on_a_mean_and_log_variance_tuple_is_refused_not_reduced
     model = bayesify.convert(_MeanAndLogVariance(), components=K, task="gaussian").eval()
     with torch.no_grad(), pytest.raises(ValueError, match=r"task='gaussian' takes one tensor .* torch\.cat\(\[mean, log_var\], -1\)"):
         model(torch.randn(3, 4))
+
+
+def test_a_contrastive_models_similarity_matrices_are_each_members_own_pairs() -> None:
+    """CLIP's ``logits_per_image`` / ``logits_per_text`` are ``[B, B]``: a tiled pass makes them ``[K*B, K*B]``, whose
+    blocks off the diagonal pair one member's images with another's texts. Reduced on the rows alone, evaluation
+    returned ``[B, K*B]``, silently. Each member is now its own diagonal block (equal to ``merge(component=k)``), and
+    evaluation their mean, as for every output the task does not name."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    text = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1)  # fmt: skip
+    vision = dict(image_size=32, patch_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
+    model = bayesify.convert(transformers.CLIPModel(config), components=2, init="normal", init_mean_std=0.3).eval()
+    ids, pixels = torch.randint(0, 50, (4, 6)), torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        mixture = model(input_ids=ids, pixel_values=pixels)
+        members = bayesify.predict(model, input_ids=ids, pixel_values=pixels)
+        for name in ("logits_per_image", "logits_per_text"):
+            assert getattr(members, name).shape == (2, 4, 4) and getattr(mixture, name).shape == (4, 4)
+            torch.testing.assert_close(getattr(mixture, name), getattr(members, name).mean(0))
+        for k in range(2):
+            merged = bayesify.merge(model, component=k).eval()(input_ids=ids, pixel_values=pixels)
+            torch.testing.assert_close(members.logits_per_image[k], merged.logits_per_image, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(members.logits_per_text[k], merged.logits_per_text, rtol=1e-4, atol=1e-5)
