@@ -303,7 +303,9 @@ def huggingface_loss(model: nn.Module, outputs: dict[str, Tensor], inputs: dict[
                 logits=logits, pooled_logits=logits, labels=labels, vocab_size=getattr(config, "vocab_size", None),
                 config=config, **_loss_keywords(type(model), inputs),
             )  # fmt: skip
-    elif kind.endswith("ForMaskedLM") or (getattr(config, "is_encoder_decoder", False) and kind.endswith("ForConditionalGeneration")):
+    elif kind.endswith("ForMaskedLM") or (getattr(config, "is_encoder_decoder", False) and (
+        kind.endswith("ForConditionalGeneration") or kind == "MarianMTModel"  # (Marian's: BART's loss, another name)
+    )):  # fmt: skip
         # every token against its own label (a sequence-to-sequence model's decoder inputs are the labels shifted)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
     elif kind.endswith("ForCausalLM"):  # every token against the next one's label

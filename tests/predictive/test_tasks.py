@@ -389,6 +389,9 @@ def _tiny_huggingface_models(transformers):  # (model, inputs with labels) at co
     yield "bart", transformers.BartForConditionalGeneration(transformers.BartConfig(
         d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
         encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, **seq2seq)), dict(input_ids=ids, labels=ids[:, :4].clone())  # fmt: skip
+    yield "marian", transformers.MarianMTModel(transformers.MarianConfig(
+        d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=32, **seq2seq)), dict(input_ids=ids, labels=ids[:, :4].clone())  # fmt: skip
     yield "gpt2", transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=60)), dict(input_ids=ids, labels=ids)
     yield "masked-lm", transformers.BertForMaskedLM(transformers.BertConfig(**bert)), dict(input_ids=ids, labels=ids)
     yield "token", transformers.BertForTokenClassification(transformers.BertConfig(num_labels=4, **bert)), dict(
