@@ -269,7 +269,16 @@ def test_merge_additive_refused_where_it_is_not_a_bias(name: str) -> None:
 # ---- what cannot be merged, bad input, tied weights ----------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["StdConv2d", "ScaledStdConv2d", "Conv2dSame", "a subclass of timm's Linear"])
+def test_merge_folds_timms_same_padding_convolution() -> None:
+    """timm's ``Conv2dSame`` (every ``tf_*`` model's convolutions) pads its input as TensorFlow's "SAME" does and
+    applies its weight as it is: its members merge exactly. (It was refused as a forward that may transform its
+    weight, so no tf_* model could be merged for deployment.)"""
+    timm = pytest.importorskip("timm")
+    original, converted = _convert(nn.Sequential(timm.layers.Conv2dSame(3, 4, 3, stride=2), nn.ReLU()))
+    _assert_members(original, converted, torch.randn(2, 3, 9, 9, dtype=DT))
+
+
+@pytest.mark.parametrize("name", ["StdConv2d", "ScaledStdConv2d", "a subclass of timm's Linear"])
 def test_merge_refuses_a_layer_that_transforms_its_weight(name: str) -> None:
     timm = pytest.importorskip("timm")
 

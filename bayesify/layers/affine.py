@@ -27,6 +27,12 @@ from bayesify.options import Perturbation, Sampling
 __all__ = ["Fold", "Rank1Affine"]
 
 
+# forwards of other libraries' subclasses known to apply their weight as it is (so the folded weight is the member),
+# by (module, qualified name), not imported: timm's Conv2dSame pads the input as TensorFlow's "SAME" does, then
+# F.conv2d(x, self.weight, ...) (the tf_* models' convolutions)
+WEIGHT_AS_IS = frozenset({("timm.layers.conv2d_same", "Conv2dSame.forward")})
+
+
 def _concrete(size: int) -> bool:
     """Whether ``size`` is a number where it is traced, not a symbol of a dynamic shape. (Dynamo answers a type
     check of a symbolic size as of an int; a symbol's parity is not known, whatever range it is given.)"""
@@ -136,7 +142,8 @@ class Rank1Affine(Rank1Layer):
                     f"(torch.nn.utils.parametrize.remove_parametrizations(layer, {name!r}), or "
                     f"torch.nn.utils.prune.remove(layer, {name!r})), or convert(..., exclude=[...]) this layer"
                 )
-        if base.forward not in self.rank1_merge_forwards:
+        forward = base.forward
+        if forward not in self.rank1_merge_forwards and (forward.__module__, forward.__qualname__) not in WEIGHT_AS_IS:
             raise ValueError(
                 f"{base.__name__} has a forward of its own ({base.__module__}.{base.__qualname__}.forward), which may "
                 "transform its weight (as weight standardisation does), so W o (r s^T) in its weight is not known to "
