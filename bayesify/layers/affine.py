@@ -136,11 +136,18 @@ class Rank1Affine(Rank1Layer):
         base = type(self).__rank1_base__
         for name in ("weight", "bias"):
             if computed(self, name) or name == "weight" and "weight" not in self._parameters:
+                if isinstance(base.__dict__.get(name), property):  # parametrized before conversion: torch's class inside
+                    # (torch's remove_parametrizations cannot take it out of bayesify's subclass around it)
+                    fix = (f"remove it from the network before convert (torch.nn.utils.parametrize.remove_parametrizations("
+                           f"layer, {name!r}) on the unconverted layer)")  # fmt: skip
+                elif hasattr(self, "parametrizations"):  # parametrized after conversion: torch's class outside
+                    fix = f"remove it first (torch.nn.utils.parametrize.remove_parametrizations(layer, {name!r}))"
+                else:
+                    fix = f"remove it first (torch.nn.utils.prune.remove(layer, {name!r}))"
                 raise ValueError(
                     f"{base.__name__}'s {name} is computed (a parametrization, such as weight norm, or pruning): "
-                    f"there is no raw {name} to fold the factors into. Remove it first "
-                    f"(torch.nn.utils.parametrize.remove_parametrizations(layer, {name!r}), or "
-                    f"torch.nn.utils.prune.remove(layer, {name!r})), or convert(..., exclude=[...]) this layer"
+                    f"there is no raw {name} to fold the factors into. {fix[0].upper() + fix[1:]}, or "
+                    "convert(..., exclude=[...]) this layer"
                 )
         forward = base.forward
         if forward not in self.rank1_merge_forwards and (forward.__module__, forward.__qualname__) not in WEIGHT_AS_IS:
