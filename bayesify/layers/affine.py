@@ -341,8 +341,8 @@ class Rank1Affine(Rank1Layer):
         sampling = self.rank1_state.model.options.sampling  # model-wide: the model's one copy
         if draw.blocks is None or sampling is Sampling.EXAMPLE:
             return False
-        for size in x.shape:  # (a loop: Dynamo traces this for every layer)
-            if not _concrete(size):
+        for size in x.shape if torch.compiler.is_compiling() else ():  # (eagerly every size is a number; a loop:
+            if not _concrete(size):  # Dynamo traces this for every layer)
                 # a symbolic shape (torch.compile(dynamic=True), or a dimension made dynamic by a second size;
                 # torch.export): the per-row path, one function for every size without a guard on it, and with
                 # sampling='component' still one draw per block (Draw.sample). (Folded, inductor failed to lower a
