@@ -470,26 +470,29 @@ def test_a_layer_that_sees_the_batch_elsewhere_is_named_and_so_is_a_batch_indepe
     assert not bayesify.summary(kept, torch.randn(4, 6)).shared
 
 
+class _LastStep(nn.Module):
+    """A time-major RNN (``[T, B, C]`` in, torch's default layout) whose head takes the last step: ``[B, classes]``."""
+
+    def __init__(self, rnn: nn.Module, classes: int) -> None:
+        super().__init__()
+        self.rnn, self.head = rnn, nn.Linear(rnn.hidden_size, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][-1])
+
+
 def test_a_time_major_model_left_at_batch_dim_0_is_told_to_say_batch_dim_1() -> None:
     """nn.LSTM's default [T, B, C] input, converted with the default batch_dim=0: every example of a training step
     went through one component (the pass took T as the batch), and the one warning, and summary, named the head and
     convert(..., exclude=...), which fixes nothing. Both now name batch_dim=1, from the input's shape."""
 
-    class LastStep(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rnn, self.head = nn.LSTM(3, 16), nn.Linear(16, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.rnn(x)[0][-1])
-
     x = torch.randn(10, 8, 3)  # T=10, B=8
-    model = bayesify.convert(LastStep(), components=4, task="classification").train()
+    model = bayesify.convert(_LastStep(nn.LSTM(3, 16), 2), components=4, task="classification").train()
     with pytest.warns(UserWarning, match=r"'head' ran on an input of shape \(8, 16\) that does not depend on the batch.* "
                                          r"The model's input \(shape \(10, 8, 3\)\) has 8 at dimension 1: .*batch_dim=1"):
         model(x)
     assert "batch_dim=1" in bayesify.summary(model, x).shared["head"]
-    fixed = bayesify.convert(LastStep(), components=4, task="classification", batch_dim=1).train()
+    fixed = bayesify.convert(_LastStep(nn.LSTM(3, 16), 2), components=4, task="classification", batch_dim=1).train()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fixed(x)
@@ -500,16 +503,8 @@ def test_a_time_major_model_left_at_batch_dim_0_is_told_to_say_batch_dim_1() -> 
 
 def test_an_output_with_its_batch_elsewhere_than_the_input_is_reduced_there() -> None:
     # a time-major RNN (batch_dim=1) whose head takes the last step: the output [B, C] has its batch at dimension 0
-    class LastStep(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rnn, self.head = nn.GRU(5, 8), nn.Linear(8, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.rnn(x)[0][-1])
-
     torch.manual_seed(0)
-    model = bayesify.convert(LastStep(), components=4, task="classification", batch_dim=1, init="normal",
+    model = bayesify.convert(_LastStep(nn.GRU(5, 8), 3), components=4, task="classification", batch_dim=1, init="normal",
                              init_mean_std=0.3).eval()  # fmt: skip
     x = torch.randn(6, 3, 5)
     with torch.no_grad():

@@ -339,9 +339,9 @@ def test_a_contrastive_models_similarity_matrices_are_each_members_own_pairs() -
     evaluation their mean, as for every output the task does not name."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    text = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1)  # fmt: skip
-    vision = dict(image_size=32, patch_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    layers = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    text = {"vocab_size": 50, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, **layers}
+    vision = {"image_size": 32, "patch_size": 8, **layers}
     config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
     model = bayesify.convert(transformers.CLIPModel(config), components=2, init="normal", init_mean_std=0.3).eval()
     ids, pixels = torch.randint(0, 50, (4, 6)), torch.randn(4, 3, 32, 32)
