@@ -23,14 +23,9 @@ from bayesify.layers.base import Draw, Rank1Layer, computed, layer_bias
 from bayesify.layers.folded import fold_weight, fold_weights, rank1_folded, run_blocks
 from bayesify.layers.rank1_op import KnownMap, rank1_affine, with_bias
 from bayesify.options import Perturbation, Sampling
+from bayesify.predictive.libraries import WEIGHT_AS_IS
 
 __all__ = ["Fold", "Rank1Affine"]
-
-
-# forwards of other libraries' subclasses known to apply their weight as it is (so the folded weight is the member),
-# by (module, qualified name), not imported: timm's Conv2dSame pads the input as TensorFlow's "SAME" does, then
-# F.conv2d(x, self.weight, ...) (the tf_* models' convolutions)
-WEIGHT_AS_IS = frozenset({("timm.layers.conv2d_same", "Conv2dSame.forward")})
 
 
 def _concrete(size: int) -> bool:

@@ -21,7 +21,20 @@ from torch import Tensor, nn
 
 from bayesify.predictive.tasks import Classification, Members, MultiLabel, Regression, Task, TaskMap
 
-__all__ = ["HuggingFaceTask", "huggingface_loss", "infer_task", "predicts_next_token", "with_decoder_inputs"]
+__all__ = [
+    "PAIRWISE_OUTPUTS", "WEIGHT_AS_IS", "HuggingFaceTask", "huggingface_loss", "infer_task", "predicts_next_token",
+    "with_decoder_inputs",
+]
+
+# Hugging Face outputs that pair the batch's examples with each other (a contrastive image-text model's similarity
+# matrices: CLIP, SigLIP, ALIGN): [B, B] of the model, [M*B, M*B] of a tiled pass (predictive/outputs.py takes each
+# member's own block)
+PAIRWISE_OUTPUTS = frozenset({"logits_per_image", "logits_per_text"})
+
+# forwards of other libraries' layer subclasses known to apply their weight as it is, so that a folded weight is the
+# member (merge), by (module, qualified name), not imported: timm's Conv2dSame pads the input as TensorFlow's "SAME"
+# does, then F.conv2d(x, self.weight, ...) (the tf_* models' convolutions)
+WEIGHT_AS_IS = frozenset({("timm.layers.conv2d_same", "Conv2dSame.forward")})
 
 def _defined_in(model: nn.Module, *packages: str) -> bool:
     module = type(model).__module__ or ""

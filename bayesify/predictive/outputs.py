@@ -17,7 +17,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
 from bayesify.mixture import split_members
-from bayesify.predictive.libraries import infer_task
+from bayesify.predictive.libraries import PAIRWISE_OUTPUTS, infer_task
 from bayesify.predictive.tasks import Auto, Binary, Classification, CustomTask, Gaussian, Members, Task, TaskMap
 
 __all__ = ["check_leaf", "check_rows", "is_packed", "leaf_task", "output_key", "primary_leaf", "primary_output", "reduce_output", "rows_axis"]
@@ -27,14 +27,9 @@ def is_packed(value: object) -> bool:
     return isinstance(value, PackedSequence)
 
 
-# outputs that pair the batch's examples with each other (a contrastive image-text model's similarity matrices: CLIP,
-# SigLIP, ALIGN): [B, B] of the model, [M*B, M*B] of a tiled pass, whose blocks off the diagonal pair one member's
-# images with another member's texts
-PAIRWISE_OUTPUTS = frozenset({"logits_per_image", "logits_per_text"})
-
-
 def members_own_pairs(key: Any, t: object, members: int, batch: int) -> object:
-    """A pairwise output of a tiled pass (``key`` in :data:`PAIRWISE_OUTPUTS`, ``[M*B, M*B]``) as each member's own
+    """A pairwise output of a tiled pass (``key`` in :data:`~bayesify.predictive.libraries.PAIRWISE_OUTPUTS`,
+    ``[M*B, M*B]``, whose blocks off the diagonal pair one member's examples with another's) as each member's own
     pairs, the diagonal blocks stacked on the rows, ``[M*B, B]``; any other leaf as it is. (Reduced on its rows
     alone, it came back ``[B, M*B]``: the similarity of the mixture's images with every member's texts.)"""
     rows = members * batch
