@@ -97,6 +97,7 @@ class ForwardState:
     input_shape: tuple[int, ...] | None = None  # the first tensor input's shape as given (for an error message)
     draws: PassDraws | None = None  # the factors drawn for this pass (the model state sets it: variational/draws.py)
     module_ids: frozenset[int] | None = None  # the root's modules, where a foreign layer's call asked (Router._foreign_call)
+    training: bool = True  # the root's train / eval state (a layer in the other one samples as its own says)
 
     @property
     def signature(self) -> tuple:
@@ -208,11 +209,19 @@ class Router:
         return self.active or (self.state is not None and _in_backward())
 
     def noise_for(self, training: bool) -> bool:
-        """Whether a layer in ``training`` mode samples its factors now: as the pass in flight says, or outside
-        one as ``mode()`` says, else the default for the layer's train / eval state."""
-        if self.live() and self.state is not None:
-            return self.state.spec.noise
+        """Whether a layer in ``training`` mode samples its factors now: as the pass in flight says (for a layer in
+        the root's train / eval state), or as ``mode()`` says, else the default for the layer's own state."""
+        state = self.state
+        if self.live() and state is not None:
+            return state.spec.noise if training == state.training else self.layer_noise(training)
         return self.resolve(training).noise
+
+    def layer_noise(self, training: bool) -> bool:
+        """Whether a layer in ``training`` mode samples in a pass of the root in the other state: as ``mode()`` says,
+        else as the layer's own state says, as a dropout does (a sub-module put in eval mode in a training step, a
+        frozen backbone say, takes its posterior means; one put in training mode in an evaluation samples)."""
+        state = self.state
+        return self.default_noise(training, 1 if state is None else state.spec.samples)
 
     def route(self, n: int, device: torch.device, layer: nn.Module | None = None) -> Draw:
         """The routing of a layer call on ``n`` rows (a :class:`~bayesify.variational.draws.Draw`): each row's
@@ -228,7 +237,10 @@ class Router:
         # (Draw.recompute); the non-reentrant kind runs it under a saved-tensors hook that compares what it saves
         # with the forward's, so its layers take the pass's values, as views (saving nothing the forward did not)
         again = not self.active and not torch.compiler.is_compiling() and not saved_tensors_hooked()
-        common = dict(noise=state.spec.noise, per_block=per_block, layer=layer, draws=state.draws, recompute=again)
+        noise = state.spec.noise if layer is None or layer.training == state.training else self.layer_noise(layer.training)
+        # a layer whose noise is not the pass's (a sub-module in the other train / eval state) draws its own values
+        draws = state.draws if noise == state.spec.noise else None
+        common = dict(noise=noise, per_block=per_block, layer=layer, draws=draws, recompute=again)
         rows, blocks, components, fixed, total = state.rows, state.blocks, state.block_components, state.fixed_components, state.rows.shape[0]
         if total == 0:
             # an empty batch: its rows take the per-row path (no blocks, so no zero-row blocks to fold); a
@@ -392,18 +404,19 @@ class Router:
         if spec.route is Route.SAMPLE:
             if self.options.sampling is Sampling.EXAMPLE:  # the reference: a random component per example
                 rows = torch.randint(self.components, (batch,), device=device)
-                self.state = ForwardState(spec=spec, rows=rows, batch=batch, axis=axis, input_shape=shape)
+                self.state = ForwardState(spec=spec, rows=rows, batch=batch, axis=axis, input_shape=shape, training=module.training)
             else:
                 rows, blocks, components = _balanced_blocks(self.components, batch, device)
                 self.state = ForwardState(
-                    spec=spec, rows=rows, blocks=blocks, block_components=components, batch=batch, axis=axis, input_shape=shape
-                )
+                    spec=spec, rows=rows, blocks=blocks, block_components=components, batch=batch, axis=axis, input_shape=shape,
+                    training=module.training,
+                )  # fmt: skip
             return args, kwargs
         if spec.route is Route.COMPONENT:
             rows = torch.full((batch,), spec.component, dtype=torch.long, device=device)
             self.state = ForwardState(
                 spec=spec, rows=rows, blocks=((0, batch),), block_components=rows[:1], fixed_components=(spec.component,),
-                batch=batch, axis=axis, input_shape=shape,
+                batch=batch, axis=axis, input_shape=shape, training=module.training,
             )  # fmt: skip
             return args, kwargs
         # tile / mixture: member-major rows, component k owns rows [k*M*B, (k+1)*M*B); one block per member
@@ -414,7 +427,7 @@ class Router:
         fixed = tuple(i // spec.samples for i in range(members))
         self.state = ForwardState(
             spec=spec, rows=rows, blocks=blocks, block_components=components, fixed_components=fixed, batch=batch,
-            axis=axis, members=members, inputs=kwargs, input_shape=shape,
+            axis=axis, members=members, inputs=kwargs, input_shape=shape, training=module.training,
         )  # fmt: skip
 
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
@@ -464,7 +477,9 @@ class Router:
         component = spec.component if spec.route is Route.COMPONENT else int(torch.randint(self.components, ()))
         rows = torch.full((batch,), component, dtype=torch.long, device=device)
         self._enter()
-        self.state = ForwardState(spec=spec, rows=rows, blocks=((0, batch),), block_components=rows[:1], batch=batch, axis=0)
+        self.state = ForwardState(
+            spec=spec, rows=rows, blocks=((0, batch),), block_components=rows[:1], batch=batch, axis=0, training=module.training
+        )
         return args, kwargs
 
     def end(self, module: nn.Module, output: object, task: Task) -> object:

@@ -94,6 +94,77 @@ def test_training_the_head_alone_trains_its_factors_and_nothing_else() -> None:
     assert {"fc.rank1_s.loc", "fc.rank1_r.loc", "fc.rank1_s.rho"} <= moved  # the head trains as a Bayesian layer
 
 
+def _outputs_of(model: nn.Module, x: torch.Tensor, *modules: nn.Module) -> list[torch.Tensor]:
+    """What each of ``modules`` outputs in one pass of ``model`` on ``x``."""
+    seen: dict[int, torch.Tensor] = {}
+    handles = [m.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(i, o.detach().clone())) for i, m in enumerate(modules)]
+    try:
+        model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return [seen[i] for i in range(len(modules))]
+
+
+def test_a_backbone_in_eval_mode_takes_its_posterior_means_in_a_training_step() -> None:
+    """As a dropout there stops: a frozen backbone put in eval mode (its batch norms on their running statistics)
+    gives each row its component's features at the means, the same in every step; the head, training, samples."""
+    model = _resnet()
+    x, _ = _batch(8)
+
+    def backbone_eval() -> None:
+        model.train()
+        for name, m in model.named_children():
+            if name != "fc":
+                m.eval()
+
+    backbone_eval()
+    torch.manual_seed(0)
+    features = _outputs_of(model, x, model.global_pool)[0]
+    rows = model.rank1_model.router.state.rows.clone()
+    model.eval()
+    for k in range(K):  # the rows of component k take member k's features at its means
+        with bayesify.mode(model, component=k, noise=False), torch.no_grad():
+            means = _outputs_of(model, x, model.global_pool)[0]
+        torch.testing.assert_close(features[rows == k], means[rows == k])
+    backbone_eval()
+    with bayesify.mode(model, component=2):  # one member: the backbone alike in both steps, the head not
+        (first, first_out), (second, second_out) = (_outputs_of(model, x, model.global_pool, model.fc) for _ in range(2))
+    assert torch.equal(first, second)
+    assert not torch.allclose(first_out, second_out)
+    with bayesify.mode(model, component=2, noise=True):  # noise said: every layer samples
+        first, second = (_outputs_of(model, x, model.global_pool)[0] for _ in range(2))
+    assert not torch.allclose(first, second)
+
+
+def test_a_sub_module_in_training_mode_samples_in_an_evaluation() -> None:
+    model = _resnet().eval()
+    model.fc.train()
+    x, _ = _batch(4)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        first, second = model(x), model(x)
+        features = [_outputs_of(model, x, model.layer4)[0] for _ in range(2)]
+    assert not torch.allclose(first, second)  # the head samples: an MC-dropout-like evaluation
+    assert torch.equal(features[0], features[1])  # the rest is the mixture of the means
+
+
+def test_an_embedding_in_eval_mode_takes_its_means_in_a_training_step() -> None:
+    torch.manual_seed(0)
+    model = bayesify.convert(nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(24, 3)), components=K, embeddings=True)
+    perturb(model, loc_std=0.1, offset_std=0.1)
+    tokens = torch.randint(10, (6, 3))
+    model.train()
+    model[0].eval()
+    with bayesify.mode(model, component=1):
+        first, second = (_outputs_of(model, tokens, model[0])[0] for _ in range(2))
+    assert torch.equal(first, second)
+    model[0].train()
+    with bayesify.mode(model, component=1):
+        first, second = (_outputs_of(model, tokens, model[0])[0] for _ in range(2))
+    assert not torch.allclose(first, second)
+
+
 def test_parameter_groups_by_module_give_the_heads_factors_the_heads_rate() -> None:
     model = _resnet()
     head = list(model.fc.parameters())
