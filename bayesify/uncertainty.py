@@ -24,7 +24,7 @@ from bayesify.predictive.decompositions import (
 )
 from bayesify.predictive.heads import VarianceParameter, gaussian_head
 from bayesify.predictive.libraries import named_outputs
-from bayesify.predictive.outputs import check_leaf, leaf_task, primary_output
+from bayesify.predictive.outputs import check_leaf, leaf_task, selected_output
 from bayesify.predictive.tasks import resolve_task
 
 __all__ = [
@@ -57,6 +57,7 @@ def uncertainty(
     samples: int = 4,
     task: object = None,
     noise: bool | None = None,
+    output: object = None,
     **kwargs: object,
 ) -> ClassificationUncertainty | BinaryUncertainty | RegressionUncertainty:
     """Predictive uncertainty of one batch: one batched pass of K x ``samples`` members, decomposed.
@@ -76,6 +77,8 @@ def uncertainty(
         task: what the output means; default: the model's (see :mod:`bayesify.predictive.tasks`).
         noise: sample the factors (default) or use the posterior means (``False``: the K members
             that ``model.eval()`` averages, so the decomposition describes the eval output).
+        output: the part of a structured output to decompose: a dict key, a tuple index or an attribute name;
+            default: the tensor itself, a Hugging Face ``logits``, a segmentation ``out``, a tuple's first element.
 
     Example:
         >>> u = bayesify.uncertainty(model.eval(), x, samples=4)
@@ -88,7 +91,7 @@ def uncertainty(
     resolved = model_task(model, task, needed_by="bayesify.uncertainty")
     kwargs = named_outputs(model_state(model).root or model, kwargs)[0]  # (read by name: a tuple's positions do not say which is which)
     members = predict(model, *inputs, samples=1 if noise is False else samples, noise=noise, **kwargs)
-    leaf, key = primary_output(members)
+    leaf, key = selected_output(members, output, type(model_state(model).root or model).__name__, "bayesify.uncertainty")
     found = leaf_task(resolved, key, model)
     state = model_state(model).router.state  # where the pass took the batch, and its size (a member's output may
     axis = state.axis  # put it elsewhere: a time-major model's last step); None: unbatched

@@ -12,7 +12,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,7 +32,7 @@ from bayesify.inspection import is_converted, model_task, num_components
 from bayesify.mode import predict
 from bayesify.model_state import model_state
 from bayesify.predictive.libraries import predicts_next_token, with_decoder_inputs
-from bayesify.predictive.outputs import check_leaf, leaf_task, primary_output
+from bayesify.predictive.outputs import check_leaf, described, leaf_task, selected_output
 from bayesify.predictive.tasks import Classification, Task
 
 __all__ = [
@@ -132,7 +131,7 @@ def _collect_members(
         if y is not None:
             x = with_decoder_inputs(model, x, y.to(device))
         value = _forward(model, x, converted, samples, noise)
-        members, key = _scored_output(model, value, output)
+        members, key = selected_output(value, output, type(model).__name__, "evaluate()")
         if not converted:
             members = members.unsqueeze(0)
         if task is not None and not outputs:
@@ -169,7 +168,7 @@ def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) ->
             return dict(batch), None
         hint = " (label_key='label')" if "label" in batch and label_key != "label" else ""
         raise ValueError(
-            f"a mapping batch holds its target under label_key={label_key!r}, but the batch is {_described(batch)}; "
+            f"a mapping batch holds its target under label_key={label_key!r}, but the batch is {described(batch)}; "
             f"name the target's entry with label_key={hint}, or pass (inputs, target) pairs."
         )
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
@@ -179,7 +178,7 @@ def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) ->
         return batch, None
     if not labels and isinstance(batch, (tuple, list)) and len(batch) == 1:  # TensorDataset(inputs)'s batches
         return batch[0], None
-    given = f"a tensor of shape {tuple(batch.shape)}" if isinstance(batch, Tensor) else _described(batch)
+    given = f"a tensor of shape {tuple(batch.shape)}" if isinstance(batch, Tensor) else described(batch)
     accepted = "an (inputs, target) pair" if label_key is None else (
         f"an (inputs, target) pair or a mapping of the model's keyword inputs with the target under {label_key!r}"
     )  # fmt: skip
@@ -200,69 +199,6 @@ def _forward(model: nn.Module, x: object, converted: bool, samples: int, noise: 
     (:func:`bayesify.predict`), a plain model's output."""
     args, kwargs = ((), dict(x)) if isinstance(x, Mapping) else ((x,), {})
     return predict(model, *args, samples=samples, noise=noise, **kwargs) if converted else model(*args, **kwargs)
-
-
-def _scored_output(model: nn.Module, value: object, output: object) -> tuple[Tensor, object]:
-    """The tensor of a model's output structure ``value`` that evaluation scores, and its key: the part ``output``
-    names (a key, a tuple index or an attribute), else the one :func:`bayesify.uncertainty` decomposes."""
-    name = type(model).__name__
-    if isinstance(value, Tensor):
-        if output is not None:
-            raise ValueError(
-                f"output={output!r} selects a part of a structured output, but {name} returns one tensor; leave "
-                "output out."
-            )
-        return value, None
-    if output is None:
-        try:
-            return primary_output(value)
-        except ValueError:
-            raise ValueError(
-                f"evaluate() cannot tell which part of {name}'s output ({_described(value)}) to score; say it with "
-                f"output=, one of: {_tensor_parts(value)}."
-            ) from None
-    if isinstance(value, Mapping):
-        found = value.get(output)
-    elif isinstance(value, (tuple, list)) and isinstance(output, int) and not isinstance(output, bool):
-        found = value[output] if -len(value) <= output < len(value) else None
-    else:
-        found = getattr(value, output, None) if isinstance(output, str) else None
-    if not isinstance(found, Tensor):
-        what = "is not a part of" if found is None else f"is not a tensor of predictions ({type(found).__name__}) in"
-        raise ValueError(
-            f"output={output!r} {what} {name}'s output ({_described(value)}); pass one of: {_tensor_parts(value)}."
-        )
-    return found, output
-
-
-def _tensor_parts(value: object) -> str:
-    """The parts of an output structure that ``output=`` can name: its tensors."""
-    return ", ".join(repr(p) for p in _parts(value) if isinstance(_part(value, p), Tensor)) or "(none: no tensor)"
-
-
-def _parts(value: object) -> list[object]:
-    """The top-level keys (a dict), indices (a tuple or list) or fields (a dataclass) of an output structure."""
-    if isinstance(value, Mapping):
-        return list(value.keys())
-    if isinstance(value, (tuple, list)):
-        return list(range(len(value)))
-    if dataclasses.is_dataclass(value):
-        return [field.name for field in dataclasses.fields(value)]
-    return []
-
-
-def _part(value: object, key: object) -> object:
-    return value[key] if isinstance(value, (Mapping, tuple, list)) else getattr(value, key)
-
-
-def _described(value: object) -> str:
-    parts = _parts(value)
-    kind = type(value).__name__
-    if isinstance(value, Mapping):
-        return f"a {kind} with keys {', '.join(map(repr, parts))}" if parts else f"an empty {kind}"
-    if isinstance(value, (tuple, list)):
-        return f"a {kind} of {len(parts)}"
-    return f"a {kind}"
 
 
 def _next_token(model: nn.Module, members: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -686,7 +622,7 @@ def _image_batch(batch: object) -> tuple[Tensor, Tensor]:
     if not isinstance(batch, Mapping):
         return _read_batch(batch, None)
     raise ValueError(
-        f"the corruption benchmark corrupts (images, labels) batches; got {_described(batch)}. For a model that "
+        f"the corruption benchmark corrupts (images, labels) batches; got {described(batch)}. For a model that "
         "takes keyword inputs, corrupt the images with bayesify.evaluation.corrupt_images and score them with "
         "evaluate(), which takes mapping batches."
     )

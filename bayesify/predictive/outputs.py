@@ -9,6 +9,8 @@ lets a task finish the structure (a Hugging Face ``loss`` recomputed from the mi
 from __future__ import annotations
 
 import warnings
+import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,7 +22,10 @@ from bayesify.mixture import split_members
 from bayesify.predictive.libraries import PAIRWISE_OUTPUTS, infer_task
 from bayesify.predictive.tasks import Auto, Binary, Classification, CustomTask, Gaussian, Members, Task, TaskMap
 
-__all__ = ["check_leaf", "check_rows", "is_packed", "leaf_task", "output_key", "primary_leaf", "primary_output", "reduce_output", "rows_axis"]
+__all__ = [
+    "check_leaf", "check_rows", "described", "is_packed", "leaf_task", "output_key", "primary_leaf", "primary_output", "reduce_output",
+    "rows_axis", "selected_output",
+]  # fmt: skip
 
 
 def is_packed(value: object) -> bool:
@@ -266,6 +271,69 @@ def primary_output(output: object) -> tuple[Tensor, object]:
         f"bayesify.uncertainty cannot tell which part of an output of type {type(output).__name__} to decompose; "
         "call bayesify.predict and pass the members to classification_uncertainty / regression_uncertainty."
     )
+
+
+def selected_output(value: object, output: object, name: str, caller: str) -> tuple[Tensor, object]:
+    """The tensor of a model's output structure ``value`` that ``caller`` (evaluation, ``uncertainty``) is about, and
+    its key: the part ``output`` names (a key, a tuple index or an attribute), else the primary one
+    (:func:`primary_output`); ``name``: the model's, for an error message."""
+    if isinstance(value, Tensor):
+        if output is not None:
+            raise ValueError(
+                f"output={output!r} selects a part of a structured output, but {name} returns one tensor; leave "
+                "output out."
+            )
+        return value, None
+    if output is None:
+        try:
+            return primary_output(value)
+        except ValueError:
+            raise ValueError(
+                f"{caller} cannot tell which part of {name}'s output ({described(value)}) it is about; say it with "
+                f"output=, one of: {tensor_parts(value)}."
+            ) from None
+    if isinstance(value, Mapping):
+        found = value.get(output)
+    elif isinstance(value, (tuple, list)) and isinstance(output, int) and not isinstance(output, bool):
+        found = value[output] if -len(value) <= output < len(value) else None
+    else:
+        found = getattr(value, output, None) if isinstance(output, str) else None
+    if not isinstance(found, Tensor):
+        what = "is not a part of" if found is None else f"is not a tensor of predictions ({type(found).__name__}) in"
+        raise ValueError(
+            f"output={output!r} {what} {name}'s output ({described(value)}); pass one of: {tensor_parts(value)}."
+        )
+    return found, output
+
+
+def tensor_parts(value: object) -> str:
+    """The parts of an output structure that ``output=`` can name: its tensors."""
+    return ", ".join(repr(p) for p in _parts(value) if isinstance(_part(value, p), Tensor)) or "(none: no tensor)"
+
+
+def _parts(value: object) -> list[object]:
+    """The top-level keys (a dict), indices (a tuple or list) or fields (a dataclass) of an output structure."""
+    if isinstance(value, Mapping):
+        return list(value.keys())
+    if isinstance(value, (tuple, list)):
+        return list(range(len(value)))
+    if dataclasses.is_dataclass(value):
+        return [field.name for field in dataclasses.fields(value)]
+    return []
+
+
+def _part(value: object, key: object) -> object:
+    return value[key] if isinstance(value, (Mapping, tuple, list)) else getattr(value, key)
+
+
+def described(value: object) -> str:
+    parts = _parts(value)
+    kind = type(value).__name__
+    if isinstance(value, Mapping):
+        return f"a {kind} with keys {', '.join(map(repr, parts))}" if parts else f"an empty {kind}"
+    if isinstance(value, (tuple, list)):
+        return f"a {kind} of {len(parts)}"
+    return f"a {kind}"
 
 
 def _reduce_packed(packed: PackedSequence, tiles: int, batch: int, task: Task) -> object:

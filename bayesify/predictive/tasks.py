@@ -405,7 +405,8 @@ class TaskMap(Task):
         raise ValueError(f"the model returned one tensor, but task names {len(self.tasks)} outputs: {self}.")
 
     def __str__(self) -> str:
-        return "{" + ", ".join(f"{k!r}: {t}" for k, t in self.tasks) + "}"
+        named = "{" + ", ".join(f"{k!r}: {t}" for k, t in self.tasks) + "}"
+        return f"{named}, other outputs averaged" if self.rest == "mean" else named  # (a headless model's: features)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import bayesify
+from bayesify.uncertainty import classification_uncertainty
 from bayesify.zoo.data import InMemoryDataset
 from bayesify.evaluation import (
     compare_corruptions,
@@ -193,7 +194,7 @@ def test_a_structured_output_without_a_primary_part_is_refused_naming_output():
     data = TensorDataset(torch.randn(10, 4), torch.randint(2, (10,)))
     model = bayesify.convert(TwoHeads(), components=2, task={"first": "classification", "second": "classification"})
     with pytest.raises(ValueError, match=r"cannot tell which part of TwoHeads's output \(a dict with keys 'first', "
-                                         r"'second', 'features', 'steps'\) to score; say it with output=, one of: "
+                                         r"'second', 'features', 'steps'\) it is about; say it with output=, one of: "
                                          r"'first', 'second', 'features'\.$"):  # fmt: skip
         evaluate(model, data)
     ood = TensorDataset(5 * torch.randn(6, 4), torch.zeros(6, dtype=torch.long))
@@ -202,6 +203,18 @@ def test_a_structured_output_without_a_primary_part_is_refused_naming_output():
     assert set(second["ood"]) == {"max_probability", "entropy", "mutual_information"}  # of the same output
     with pytest.raises(ValueError, match=r"output='third' is not a part of TwoHeads's output .* one of: 'first', "):
         evaluate(model, data, output="third")
+    x = data.tensors[0][:5]
+    model.eval()
+    with pytest.raises(ValueError, match=r"^bayesify.uncertainty cannot tell which part of TwoHeads's output .* output=, one of"):
+        bayesify.uncertainty(model, x)
+    torch.manual_seed(1)
+    u = bayesify.uncertainty(model, x, output="second", samples=2)
+    torch.manual_seed(1)
+    members = bayesify.predict(model, x, samples=2)["second"]
+    torch.testing.assert_close(u.mutual_information, classification_uncertainty(members).mutual_information)
+    assert u.probs.shape == (5, 2)
+    with pytest.raises(ValueError, match=r"output='third' is not a part of TwoHeads's output"):
+        bayesify.uncertainty(model, x, output="third")
     with pytest.raises(ValueError, match=r"output='steps' is not a tensor of predictions \(int\)"):
         evaluate(model, data, output="steps")
     with pytest.raises(ValueError, match=r"names no task for the output 'features'"):  # at the first batch

@@ -456,6 +456,20 @@ def test_a_multi_label_head_whose_problem_type_transformers_sets_in_training_is_
     assert type(bayesify.uncertainty(model, ids, noise=False)).__name__ == "BinaryUncertainty"
 
 
+def test_a_headless_hugging_face_models_summary_says_its_outputs_are_averaged() -> None:
+    """A ``BertModel`` returns features (``last_hidden_state``, ``pooler_output``), which evaluation averages; the
+    summary said only ``{'logits': classification}``, an output the model does not have."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    model = bayesify.convert(transformers.BertModel(config), components=K).eval()
+    assert str(bayesify.summary(model)).splitlines()[2] == "output: {'logits': classification (class axis -1)}, other outputs averaged"
+    ids = torch.randint(60, (3, 5))
+    with torch.no_grad():
+        features = model(input_ids=ids).pooler_output
+    members = torch.stack([out.pooler_output for out in _members_by_hand(model, ids)])
+    torch.testing.assert_close(features, members.mean(0))
+
+
 def test_an_image_classifier_with_one_label_regresses_from_the_start() -> None:
     # transformers' image (audio, video, sequence) classifiers regress with num_labels=1; a fresh ViT with one label
     # was read as a one-class softmax (refused) until a labelled pass had set problem_type: now regression at once
