@@ -108,12 +108,15 @@ def _collect_members(
     model: nn.Module, batches: Iterable[Batch], samples: int, device: torch.device | str,
     transform: Transform | None, corrupt: Callable[[Tensor, int], Tensor] | None, noise: bool | None,
     output: object = None, *, labels: bool | None = True, task: Task | None = None, label_key: str = "labels",
+    padding_label: int | None = None,
 ) -> tuple[Tensor, Tensor, object]:  # fmt: skip
     """:func:`collect_members`, and the key of the output collected (None: the model returns one tensor);
     ``labels``: the targets are scored (a language model's logits and labels are then aligned; False: an OOD set,
     whose mappings need no target and whose targets come back empty; None: the targets where the batches hold
     them, aligned as with True, else empty); ``task``: the model's, checked to name one for the output collected
-    at the first batch (not after the whole set)."""
+    at the first batch (not after the whole set); ``padding_label``: a mapping batch that holds no target but an
+    ``attention_mask`` (tokens with no labels: an OOD set) gets targets of this label at its padding positions, 0
+    elsewhere, so that the scoring leaves the padding out as it does the labelled set's."""
     converted = is_converted(model)
     next_token = labels is not False and predicts_next_token(model)
     batch_dim = model_state(model).options.batch_dim if converted else 0
@@ -130,6 +133,8 @@ def _collect_members(
             x = transform(x)
         if y is not None:
             x = with_decoder_inputs(model, x, y.to(device))
+        elif padding_label is not None and labels is None:
+            y = _padding_targets(x, padding_label)  # (after the decoder inputs: a target made here makes none)
         value = _forward(model, x, converted, samples, noise)
         members, key = selected_output(value, output, type(model).__name__, "evaluate()")
         if not converted:
@@ -154,6 +159,15 @@ def _collect_members(
             "and the others do not: give every batch its targets, or none."
         )
     return torch.cat(outputs, 1), torch.cat(targets) if targets else torch.empty(0), key
+
+
+def _padding_targets(x: object, label: int) -> Tensor | None:
+    """Targets for a mapping batch's token positions from its ``attention_mask``: ``label`` where it is 0 (padding),
+    0 elsewhere; None where the batch holds no such mask."""
+    mask = x.get("attention_mask") if isinstance(x, Mapping) else None
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        return None
+    return torch.where(mask.bool(), 0, label).cpu()
 
 
 def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) -> tuple[object, Tensor | None]:
@@ -358,7 +372,8 @@ def evaluate(
             attribute name; needed where no part is the primary one (a one-line error names the parts).
         ignore_index: a class label that marks targets to leave out of every metric (255 in segmentation masks,
             -100 in Hugging Face labels), the OOD table too (and the OOD set's positions so marked, where its
-            batches hold targets); without it such a label is refused, naming this option.
+            batches hold targets, or else an ``attention_mask``: its padding); without it such a label is refused, naming
+            this option.
         label_key: the target's entry in a mapping batch (``"label"`` in a data set not yet collated by
             transformers).
 
@@ -441,8 +456,8 @@ def ood_detection(
         output: the part of a structured output to score (see :func:`evaluate`); ``task`` may be the
             model's mapping of outputs to tasks, or that part's task.
         ignore_index: positions whose target is this label (padding tokens, unlabelled pixels) are not scored,
-            in ``data`` and in ``ood`` where its batches hold targets (a mapping's ``label_key`` entry, or pairs);
-            ``data``'s targets are then needed.
+            in ``data`` and in ``ood`` where its batches hold targets (a mapping's ``label_key`` entry, or pairs),
+            or, holding none, an ``attention_mask`` (its padding is left out); ``data``'s targets are then needed.
         targets: ``data``'s targets as the evaluation collected them alongside ``outputs``.
 
     Returns:
@@ -463,8 +478,9 @@ def ood_detection(
     def members(batches: Iterable[Batch], labels: bool | None) -> tuple[Tensor, Tensor, object]:
         with evaluation_mode(model):
             return _collect_members(
-                model, batches, m, device, transform, None, converted, output, labels=labels, label_key=label_key
-            )
+                model, batches, m, device, transform, None, converted, output, labels=labels, label_key=label_key,
+                padding_label=ignore_index,
+            )  # fmt: skip
 
     reuse = outputs is not None and (not converted or samples > 1) and (ignore_index is None or targets is not None)
     inside, inside_targets, key = (outputs, targets, output) if reuse else members(data, ignoring)

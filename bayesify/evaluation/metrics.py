@@ -280,6 +280,26 @@ def compute_metrics(
 
 
 
+def _real_targets(targets: Tensor, shape: torch.Size, task: object) -> Tensor:
+    """Real-valued ``targets`` in the predictions' ``shape``: as they are, or with trailing axes of size 1 put in
+    or taken out (``[N]`` for ``[N, 1]``); any other shape is refused (reshaped, a ``[D, N]`` batch of ``[N, D]``
+    predictions read its values in the wrong order, silently)."""
+    if targets.shape == shape:
+        return targets
+
+    def core(size: tuple[int, ...]) -> tuple[int, ...]:
+        while size and size[-1] == 1:
+            size = size[:-1]
+        return size
+
+    if core(tuple(targets.shape)) == core(tuple(shape)):
+        return targets.reshape(shape)
+    raise ValueError(
+        f"targets of shape {tuple(targets.shape)} do not fit task {task}'s predictions of shape {tuple(shape)}: give "
+        "one target per prediction, in the predictions' shape (examples first)."
+    )
+
+
 def task_metrics(
     task: object,
     outputs: Tensor,
@@ -333,7 +353,7 @@ def task_metrics(
     moments = task.member_moments(outputs)
     if moments is not None:
         means, variances = moments
-        return regression_metrics(means, targets.reshape(means.shape[1:]), variances)
+        return regression_metrics(means, _real_targets(targets, means.shape[1:], task), variances)
     raise ValueError(
         f"evaluate() has no metrics for task {task}; pass task='classification', 'binary', 'multilabel', 'regression' "
         "or 'gaussian', or compute your own from bayesify.predict's members."

@@ -42,7 +42,8 @@ CALIBRATION_LEVELS: tuple[float, ...] = tuple(i / 20 for i in range(1, 20))
 
 _NO_VARIANCE_NOTE = (
     "no member_variances: nll, coverage, calibration_error and sharpness need a predictive noise model; "
-    "give the model a Gaussian head and pass member_variances (see bayesify.predictive.gaussian_head)."
+    "give the model a Gaussian head (convert(model, task='gaussian'), see bayesify.predictive.gaussian_head), or "
+    "pass regression_metrics the members' variances (member_variances)."
 )
 
 

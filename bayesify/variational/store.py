@@ -300,7 +300,8 @@ def load_tables(groups: Sequence[TableGroup], state_dict: dict[str, Any], prefix
         raise ValueError(
             f"the checkpoint holds a model converted with components={wrong[0]}, and this model has "
             f"components={wrong[1]}; convert it with bayesify.convert(model, components={wrong[0]}) before loading "
-            "(or load the checkpoint into an unconverted copy of the network); nothing was loaded"
+            "(for its shared weights alone, without the factors: load_state_dict(..., strict=False) into an unconverted copy "
+            "of the network); nothing was loaded"
         )
 
 

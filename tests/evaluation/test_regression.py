@@ -117,3 +117,24 @@ def test_bad_input_is_refused():
         regression_metrics(torch.randn(5), torch.randn(5))
     with pytest.raises(TypeError, match="real-valued"):
         regression_metrics(means, [0.0] * 5)
+
+
+def test_targets_in_another_layout_than_the_predictions_are_refused_not_reshaped():
+    from bayesify.evaluation import task_metrics
+
+    torch.manual_seed(0)
+    outputs = torch.randn(4, 6, 2)  # [S, N, D]
+    targets = outputs.mean(0)
+    exact = task_metrics("regression", outputs, targets)
+    with pytest.raises(ValueError, match=r"targets of shape \(2, 6\) do not fit .* predictions of shape \(6, 2\)"):
+        task_metrics("regression", outputs, targets.T.contiguous())  # reshaped, it read the values in the wrong order
+    with pytest.raises(ValueError, match=r"targets of shape \(6,\) do not fit"):
+        task_metrics("regression", outputs, targets[:, 0])
+    single = task_metrics("regression", outputs[..., :1], targets[:, 0])  # [N] for [N, 1]: the same targets
+    assert single["rmse"] == pytest.approx(task_metrics("regression", outputs[..., :1], targets[:, :1])["rmse"])
+    assert exact["rmse"] < 1e-6
+
+
+def test_the_note_of_a_point_regression_names_the_gaussian_task():
+    metrics = regression_metrics(torch.randn(3, 5), torch.randn(5))
+    assert "task='gaussian'" in metrics["note"]

@@ -157,6 +157,10 @@ def test_a_checkpoint_of_another_k_is_refused_in_one_line_naming_both(legacy: bo
     assert "size mismatch" not in message and "Missing key" not in message and "\n" not in message, message
     for key, value in before.items():  # nothing was loaded: the weights neither
         assert torch.equal(model.state_dict()[key], value), key
+    assert "load_state_dict(..., strict=False) into an unconverted copy" in message
+    plain = timm.create_model("resnet18", num_classes=5)  # the hint works: the shared weights, the factors left out
+    plain.load_state_dict(state, strict=False)
+    assert torch.equal(plain.layer1[0].conv1.weight, saved.layer1[0].conv1.weight)
 
 
 def test_original_keys_stay_strict() -> None:
