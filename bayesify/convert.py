@@ -429,6 +429,10 @@ def _state_for(model: nn.Module, config: Rank1Config, said: Task) -> ModelState:
     if existing is not None and ATTRIBUTE not in model.__dict__:  # a part of the model was converted on its own before
         existing.report = ConversionReport()  # (its names were relative to that part)
         converted = f"a part of {type(model).__name__} (holding {inner[0][0]!r})"
+        # its task was about the part's output (a backbone's features: task="regression"), not this model's (a new
+        # head's logits): decided again for this model, as for a first conversion (kept, the part's features
+        # averaged the new head's logits, silently; an explicit task was refused)
+        existing.task = Auto()
     inner = [layer for _, layer in inner]
     if existing is None:
         return ModelState(config.model_options())

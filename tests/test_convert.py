@@ -195,6 +195,30 @@ def test_converting_a_part_then_the_whole_uses_one_routing() -> None:
         assert net(torch.randn(5, 6)).shape == (20, 3)
 
 
+def test_a_backbone_converted_on_its_own_under_a_new_head_takes_the_whole_models_task() -> None:
+    """A headless backbone is converted with task="regression" (its features, averaged: the README's recipe), then put
+    under a new head and the whole converted: the task is the whole model's. It kept the backbone's: an explicit
+    task="classification" was refused, and the default averaged the head's logits, silently."""
+    def backbone() -> nn.Module:
+        torch.manual_seed(0)
+        return bayesify.convert(nn.Sequential(nn.Linear(6, 8), nn.ReLU()), components=4, task="regression", init="normal")
+
+    x = torch.randn(5, 6)
+    model = bayesify.convert(nn.Sequential(backbone(), nn.Linear(8, 3)), task="classification").eval()
+    with torch.no_grad():
+        members = torch.stack([_member(model, x, k) for k in range(4)])
+        torch.testing.assert_close(model(x), members.softmax(-1).mean(0).log())
+    assert str(bayesify.summary(model)).splitlines()[2] == "output: classification"
+    unsaid = bayesify.convert(nn.Sequential(backbone(), nn.Linear(8, 3))).eval()  # a plain Sequential states no task
+    with pytest.raises(ValueError, match=r"does not know what the output of shape \(5, 3\) of Sequential means"), torch.no_grad():
+        unsaid(x)
+
+
+def _member(model: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
+    with bayesify.mode(model, component=k, noise=False):
+        return model(x)
+
+
 def test_revert_restores_the_original_model() -> None:
     net = _mlp()
     keys = list(net.state_dict())
