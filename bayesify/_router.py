@@ -327,6 +327,8 @@ class Router:
         state = self.state
         if state is None or state.input_shape is None or state.axis is None or rows == state.batch:
             return ""
+        if len(state.input_shape) > 3:  # an image's channels or sizes are no batch (maxvit's relative positions at 3
+            return ""  # rows of a [B, 3, H, W] input were told batch_dim=1); a time-major input is [T, B] or [T, B, C]
         others = [i for i, size in enumerate(state.input_shape) if size == rows and i != state.axis]
         if len(others) != 1:
             return ""

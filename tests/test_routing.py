@@ -501,6 +501,26 @@ def test_a_time_major_model_left_at_batch_dim_0_is_told_to_say_batch_dim_1() -> 
     assert "batch_dim" not in bayesify.summary(table, torch.randn(4, 6)).shared["proj"]
 
 
+def test_an_images_channels_are_not_named_as_its_batch() -> None:
+    """timm's maxvit at 64 px runs a relative-position MLP on 3 rows that do not depend on the batch; the warning named
+    batch_dim=1 because the [B, 3, H, W] image has 3 channels, which crashed the model when followed."""
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mlp, self.table = nn.Linear(2, 4), nn.Parameter(torch.randn(3, 2))
+            self.head = nn.Linear(3 * 4, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            bias = self.mlp(self.table)  # 3 rows, whatever the batch
+            return self.head(x.mean((2, 3))[:, :, None].mul(bias[None]).flatten(1))
+
+    model = bayesify.convert(Positions(), components=4, task="classification").train()
+    with pytest.warns(UserWarning, match="does not depend on the batch") as said:
+        model(torch.randn(8, 3, 6, 6))
+    assert not any("batch_dim=1" in str(w.message) for w in said), [str(w.message) for w in said]
+
+
 def test_an_output_with_its_batch_elsewhere_than_the_input_is_reduced_there() -> None:
     # a time-major RNN (batch_dim=1) whose head takes the last step: the output [B, C] has its batch at dimension 0
     torch.manual_seed(0)
