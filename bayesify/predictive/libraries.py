@@ -190,12 +190,25 @@ def _one_label_regresses(kind: str) -> bool:
     return kind.endswith(_NUM_LABELS_HEADS) and not kind.endswith("ForTokenClassification")
 
 
-def _huggingface_task(model: nn.Module) -> Task | None:
-    module = sys.modules.get("transformers")
-    base = getattr(module, "PreTrainedModel", None)
-    if base is None or not isinstance(model, base):
+def huggingface_model(model: nn.Module) -> nn.Module | None:
+    """The Hugging Face ``PreTrainedModel`` that ``model`` is, or that a peft wrapper (``PeftModel``: LoRA put on
+    before conversion) holds and calls with the same inputs (``get_base_model()``); None for any other model."""
+    base = getattr(sys.modules.get("transformers"), "PreTrainedModel", None)
+    if base is None:
         return None
-    config = model.config
+    if isinstance(model, base):
+        return model
+    if _defined_in(model, "peft") and callable(getattr(model, "get_base_model", None)):
+        inner = model.get_base_model()
+        return inner if isinstance(inner, base) else None
+    return None
+
+
+def _huggingface_task(model: nn.Module) -> Task | None:
+    found = huggingface_model(model)
+    if found is None:
+        return None
+    model, config = found, found.config
     kind = type(model).__name__
     problem = getattr(config, "problem_type", None)
     if problem == "multi_label_classification":
@@ -216,10 +229,10 @@ def named_outputs(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, A
     model's config) asks for a tuple (``return_dict=False``), and whether it did: a tuple's positions do not say what
     each output is (the loss comes first only when labels were given), so the mixture reduces the named outputs and
     the caller hands them back as the tuple asked for (``ModelOutput.to_tuple()``: what the model would return)."""
-    module = sys.modules.get("transformers")
-    base = getattr(module, "PreTrainedModel", None)
-    if base is None or not isinstance(model, base):
+    found = huggingface_model(model)
+    if found is None:
         return kwargs, False
+    model = found  # (a peft wrapper hands return_dict on to it)
     said = kwargs.get("return_dict")
     if said is None and "return_dict" not in kwargs and getattr(model.config, "return_dict", True) is False:
         said = False if _takes_return_dict(type(model)) else None
@@ -250,7 +263,8 @@ def restated_task(model: nn.Module, task: Task) -> Task:
     """``task``, or what ``model`` states now where it was read from a Hugging Face config that has changed since:
     transformers sets ``config.problem_type`` in the first forward pass with labels (float multi-hot labels: multi-label
     sigmoids, where the head stated nothing at conversion and read as a softmax over the labels)."""
-    if isinstance(task, HuggingFaceTask) and getattr(getattr(model, "config", None), "problem_type", None) != task.problem_type:
+    config = getattr(huggingface_model(model), "config", None)
+    if isinstance(task, HuggingFaceTask) and getattr(config, "problem_type", None) != task.problem_type:
         return _huggingface_task(model) or task
     return task
 
@@ -259,9 +273,8 @@ def predicts_next_token(model: nn.Module) -> bool:
     """Whether ``model``'s logits at position t are for the token at t + 1: a Hugging Face decoder-only model that
     generates (GPT-2's ``LMHeadModel``, any ``ForCausalLM``), whose own loss shifts its labels by one position. A
     sequence-to-sequence model's logits are for the label at their own position (its decoder inputs are shifted)."""
-    module = sys.modules.get("transformers")
-    base = getattr(module, "PreTrainedModel", None)
-    if base is None or not isinstance(model, base) or getattr(model.config, "is_encoder_decoder", False):
+    model = huggingface_model(model)
+    if model is None or getattr(model.config, "is_encoder_decoder", False):
         return False
     can_generate = getattr(model, "can_generate", None)
     return bool(can_generate()) if callable(can_generate) else False
@@ -275,6 +288,7 @@ def with_decoder_inputs(model: nn.Module, inputs: object, labels: Tensor) -> obj
     given = ("decoder_input_ids", "decoder_inputs_embeds")
     if not isinstance(inputs, Mapping) or any(inputs.get(k) is not None for k in given):
         return inputs
+    model = huggingface_model(model) or model
     prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
     if not callable(prepare) or not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return inputs
@@ -295,7 +309,9 @@ def huggingface_loss(model: nn.Module, outputs: dict[str, Tensor], inputs: dict[
     the head's name to), or in its own code. Each is repeated here only where it is known to be that model's
     loss: the former for the heads whose loss function needs the logits and labels alone, the latter for
     the heads below (the formulas of transformers' own models). Anything else (CTC, detection, pre-training
-    heads) stops with a one-line error rather than give another loss under the model's name."""
+    heads) stops with a one-line error rather than give another loss under the model's name. (A peft wrapper's loss
+    is its Hugging Face model's.)"""
+    model = huggingface_model(model) or model
     kind = type(model).__name__
     if kind.endswith("ForQuestionAnswering"):
         start, end = inputs.get("start_positions"), inputs.get("end_positions")
