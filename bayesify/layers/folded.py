@@ -52,7 +52,8 @@ def fold_weights(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, trans
         torch.is_grad_enabled()
         and (weight.requires_grad or rows.requires_grad or columns.requires_grad)
         and not torch._C._are_functorch_transforms_active()  # (torch.func: the node has no vmap rule; plain ops)
-    ):
+        and not torch.compiler.is_compiling()  # (a graph: AOTAutograd derives the backward; a traced Function kept
+    ):  # the forward graph out of AOTAutograd's cache, recompiled in every process)
         return _FoldWeights.apply(weight, rows, columns, groups)
     return _fold(weight, rows, columns, groups)
 

@@ -211,7 +211,8 @@ class _NormalKLSum(torch.autograd.Function):
 
 def normal_kl_sum(loc: Tensor, raw: Tensor, prior_mean: float, prior_std: float) -> Tensor:
     """``sum KL(N(loc, softplus(raw) + 1e-7) || N(prior_mean, prior_std))`` (see :class:`_NormalKLSum`)."""
-    if torch._C._are_functorch_transforms_active():  # (torch.func: the node has no vmap rule; the plain ops)
+    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():  # (torch.func: the node has no
+        # vmap rule; a graph: AOTAutograd derives the backward, and a traced Function keeps it out of its cache)
         return kl_normal_normal(loc, positive_scale(raw), float(prior_mean), float(prior_std)).sum()
     return _NormalKLSum.apply(loc, raw, float(prior_mean), float(prior_std))
 
