@@ -32,6 +32,7 @@ from bayesify.layers.recurrent import Rank1RNN, Rank1RNNCell
 from bayesify.model_state import ATTRIBUTE, ConversionReport, ModelState, Skip, SkipKind, is_root
 from bayesify.predictive.libraries import infer_task
 from bayesify.predictive.tasks import Auto, Task, check_class_axis, resolve_task
+from bayesify.sharding import is_sharded
 from bayesify.variational import store
 from bayesify.variational.factor import Rank1Factor
 
@@ -213,6 +214,7 @@ def convert(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}.")
+    _check_not_distributed(model)
     existing = _existing_state(model)
     second = existing is not None and config is None
     if second:
@@ -236,6 +238,9 @@ def convert(
     layer_options = config.layer_options(sum(issubclass(layer_class, Rank1Layer) for _, _, layer_class in plan))
     if second:  # and the layers' options not said are the model's layers' (a new head is one of them)
         said_of_layers = set(options) & set(scoped(Rank1Config, "layer"))
+        repeated = not plan and not adopted and ATTRIBUTE in model.__dict__  # (a part converted before: a new root)
+        if repeated and not any(skip.kind is SkipKind.EXCLUDED for skip in skipped.values()):
+            return _repeated(model, layer_options, said_of_layers)
         layer_options = _the_models_layer_options(model, layer_options, said=said_of_layers)
     for name, module, layer_class in plan:
         new = layer_class.from_module(module, layer_options, state)
@@ -323,12 +328,7 @@ def _plan(
         )
     if not plan:
         if next(rank1_layers(model), None) is not None:
-            if adopted or any(skip.kind is SkipKind.EXCLUDED for skip in skipped.values()):
-                return plan, skipped  # a second call that says which new modules stay deterministic (the report)
-            raise ValueError(
-                f"{type(model).__name__} is already converted and nothing new matched; it was left unchanged. "
-                "To change options, call bayesify.revert(model) and convert again."
-            )
+            return plan, skipped  # a second call: what it asks of the converted layers, convert() decides
         left_out = [name for name, skip in skipped.items() if skip.kind in (SkipKind.EXCLUDED, SkipKind.NOT_INCLUDED)]
         if left_out:
             said = ", ".join(f"{k}={v!r}" for k, v in (("include", includes), ("exclude", excludes)) if v is not None)
@@ -369,6 +369,22 @@ convert.__signature__ = inspect.signature(convert).replace(  # type: ignore[attr
 )
 
 
+def _repeated(model: nn.Module, made: LayerOptions, said: set[str]) -> nn.Module:
+    """A second conversion with nothing new to convert: ``model`` as it is where it asks for what the model has (a
+    hook that converts again, as Lightning's ``configure_model`` is called in every stage), else the one-line error
+    naming the options that would change (a converted layer keeps its options: changing them is a new conversion)."""
+    theirs = [layer.rank1_state.options for layer in model.modules() if isinstance(layer, ConvertedLayer)]
+    differ = sorted(
+        name for name in said if any(getattr(options, name) != getattr(made, name) for options in theirs if isinstance(options, LayerOptions))
+    )
+    if differ:
+        raise ValueError(
+            f"{type(model).__name__} is already converted and nothing new matched; it was left unchanged, and its layers "
+            f"keep their {', '.join(differ)}. To change options, call bayesify.revert(model) and convert again."
+        )
+    return model
+
+
 def _the_models_layer_options(model: nn.Module, made: LayerOptions, said: set[str]) -> LayerOptions:
     """A second conversion's layer options: those ``said`` as ``made``, the others as the model's converted layers
     have them (not the defaults: a new head of a BatchEnsemble model with a Normal posterior, or the depth rule's
@@ -391,6 +407,26 @@ def _the_models_layer_options(model: nn.Module, made: LayerOptions, said: set[st
             )
         changes[field.name] = values.pop()
     return made.replace(**changes)
+
+
+def _check_not_distributed(model: nn.Module) -> None:
+    """Refuse a model already wrapped for data parallelism: DistributedDataParallel and FSDP2's ``fully_shard`` take
+    the parameters when they wrap, so the factors convert adds would never be reduced across the processes (each
+    rank would train a posterior of its own, silently)."""
+    wrapper = next((name for name, m in model.named_modules() if isinstance(m, nn.parallel.DistributedDataParallel)), None)
+    if wrapper is not None:
+        where = "is" if wrapper == "" else f"holds ({wrapper!r})"
+        raise ValueError(
+            f"{type(model).__name__} {where} a DistributedDataParallel wrapper, which took the model's parameters when "
+            "it was made: the factors convert adds would never be averaged across the processes (each rank would train "
+            "its own posterior); convert first, then wrap: DistributedDataParallel(bayesify.convert(model))."
+        )
+    if is_sharded(model):
+        raise ValueError(
+            f"{type(model).__name__} is sharded (FSDP2's fully_shard), whose units took the parameters when they were "
+            "made: the factors convert adds would stay whole on every rank and never be reduced; convert first, then "
+            "shard: bayesify.training.shard(bayesify.convert(model))."
+        )
 
 
 def _existing_state(model: nn.Module) -> ModelState | None:

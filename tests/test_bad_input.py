@@ -62,12 +62,25 @@ def test_not_a_module() -> None:
         bayesify.convert(lambda x: x)
 
 
-def test_converting_twice_refuses_and_leaves_model_working() -> None:
+def test_converting_twice_with_other_layer_options_refuses_and_leaves_model_working() -> None:
     net = bayesify.convert(_net(), task="classification")
     keys = list(net.state_dict())
-    with pytest.raises(ValueError, match="already converted .* left unchanged.*bayesify.revert"):
-        bayesify.convert(net)
+    with pytest.raises(ValueError, match=r"already converted .* left unchanged, and its layers keep their prior_std\. .*bayesify.revert"):
+        bayesify.convert(net, prior_std=0.5)
     assert list(net.state_dict()) == keys
+    assert net.eval()(torch.randn(3, 4)).shape == (3, 2)
+
+
+def test_converting_again_with_what_the_model_has_is_a_no_op() -> None:
+    """Lightning calls ``configure_model`` in every stage (fit, then test, predict) and asks it to be idempotent:
+    a second ``convert`` with the model's own options was refused ("nothing new matched")."""
+    net = bayesify.convert(_net(), task="classification", components=4, prior_std=0.5)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    state = net.rank1_model
+    assert bayesify.convert(net) is net
+    assert bayesify.convert(net, task="classification", components=4, prior_std=0.5) is net
+    assert net.rank1_model is state and {k: v for k, v in net.state_dict().items()}.keys() == before.keys()
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
     assert net.eval()(torch.randn(3, 4)).shape == (3, 2)
 
 

@@ -147,8 +147,7 @@ def test_second_conversion_neither_stacks_nor_breaks() -> None:
     net = bayesify.convert(_mlp(), include="3")
     bayesify.convert(net, exclude="3")  # the rest, with the same components
     assert len(list(bayesify.rank1_layers(net))) == 3
-    with pytest.raises(ValueError, match="already converted"):
-        bayesify.convert(net)
+    assert bayesify.convert(net) is net  # nothing new, nothing asked: as it is
     with pytest.raises(ValueError, match="components=4"):
         bayesify.convert(_mlp_partly := bayesify.convert(_mlp(), include="0"), components=2)
     del _mlp_partly

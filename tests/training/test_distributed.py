@@ -69,3 +69,44 @@ def test_a_batch_that_does_not_split_over_processes_names_the_fix(tmp_path):
     # each worker reports the user error in one line (the traceback after it is torchrun's own report)
     first = result.stderr.splitlines()[0]
     assert first.startswith("bayesify train: error: batch_size=33 cannot be split over 2 processes"), first
+
+
+_WRAPPED_THEN_CONVERTED = """
+import os, sys, torch, torch.distributed as dist
+from torch import nn
+import bayesify
+from torch.distributed.fsdp import fully_shard
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+for name, wrap in (("ddp", nn.parallel.DistributedDataParallel), ("fsdp", fully_shard)):
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    wrapped = wrap(net)
+    for target in (wrapped, nn.Sequential(wrapped)):
+        try:
+            bayesify.convert(target, task="classification")
+            print(name, "converted")
+        except ValueError as error:
+            print(name, "refused:", error)
+    assert not bayesify.is_converted(net), name  # nothing was changed
+dist.destroy_process_group()
+"""
+
+
+def test_a_model_wrapped_for_data_parallelism_is_refused_naming_the_order(tmp_path):
+    """Converted after DistributedDataParallel or fully_shard wrapped it, a model's factors were never reduced across
+    the processes: each rank trained a posterior of its own (15 of 15 rank-1 Parameters apart after 5 steps on 2
+    ranks, in a new user's trial), silently."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "wrapped.py"
+    script.write_text(_WRAPPED_THEN_CONVERTED)
+    out = _run([sys.executable, str(script), str(port)])
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 4 and all("refused" in line for line in lines), lines
+    assert "convert first, then wrap: DistributedDataParallel(bayesify.convert(model))" in lines[0]
+    assert "holds ('0') a DistributedDataParallel wrapper" in lines[1]
+    assert "convert first, then shard: bayesify.training.shard(bayesify.convert(model))" in lines[2]
