@@ -8,8 +8,8 @@ lets a task finish the structure (a Hugging Face ``loss`` recomputed from the mi
 
 from __future__ import annotations
 
-import warnings
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
