@@ -415,9 +415,9 @@ def _check_not_distributed(model: nn.Module) -> None:
     rank would train a posterior of its own, silently)."""
     wrapper = next((name for name, m in model.named_modules() if isinstance(m, nn.parallel.DistributedDataParallel)), None)
     if wrapper is not None:
-        where = "is" if wrapper == "" else f"holds ({wrapper!r})"
+        where = "convert() was given" if wrapper == "" else f"{type(model).__name__} holds ({wrapper!r})"
         raise ValueError(
-            f"{type(model).__name__} {where} a DistributedDataParallel wrapper, which took the model's parameters when "
+            f"{where} a DistributedDataParallel wrapper, which took the model's parameters when "
             "it was made: the factors convert adds would never be averaged across the processes (each rank would train "
             "its own posterior); convert first, then wrap: DistributedDataParallel(bayesify.convert(model))."
         )

@@ -568,6 +568,20 @@ def test_one_task_of_logits_over_several_outputs_warns() -> None:
         logits, features = said(torch.randn(3, 4))
     assert logits.shape == (3, 3) and features.shape == (3, 8)
 
+    class TwoHeads(nn.Module):  # a dict output: the example names its keys (it named 0 and 1, which then failed)
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3), nn.Linear(4, 5)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"species": self.a(x), "colour": self.b(x)}
+
+    heads = bayesify.convert(TwoHeads(), components=2, task="classification").eval()
+    with pytest.warns(UserWarning, match=r"\(shapes \(3, 3\), \(3, 5\)\) as logits.* task=\{'species': 'classification', "
+                                         r"'colour': 'regression'\}\.$"):  # fmt: skip
+        heads(torch.randn(3, 4))
+    bayesify.convert(TwoHeads(), components=2, task={"species": "classification", "colour": "regression"}).eval()(torch.randn(3, 4))
+
 
 def test_a_copy_or_a_save_made_inside_mode_is_the_model_outside_it(tmp_path) -> None:
     import copy

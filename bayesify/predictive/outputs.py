@@ -124,13 +124,13 @@ def reduce_output(
         found = leaf_task(task, key, model, stacked.shape[1:], members)  # (a shape: no op to take one)
         check_leaf(found, key, model, stacked.shape[1:], None if axis is None else dim)
         if found is task and isinstance(task, (Classification, Binary, Gaussian)):
-            as_logits.append(tuple(t.shape))
+            as_logits.append((key, tuple(stacked.shape[1:])))  # (a member's shape: what the user's model returns)
             if isinstance(task, Gaussian) and len(as_logits) > 1:  # a (mean, log_var) tuple: two heads of D / 2 each
                 raise ValueError(
                     f"task='gaussian' takes one tensor of means and variances, but {type(model).__name__} returned "
-                    f"several (shapes {', '.join(map(str, as_logits))}), each of which would be reduced as a head of "
-                    "its own; return torch.cat([mean, log_var], -1), or name each output's task with a dict (e.g. "
-                    "task={0: 'gaussian', 1: 'regression'})."
+                    f"several (shapes {_shapes(as_logits)}), each of which would be reduced as a head of its own; "
+                    f"return torch.cat([mean, log_var], -1), or name each output's task with a dict (e.g. "
+                    f"task={_example_tasks(as_logits, 'gaussian')})."
                 )
         return found.reduce(stacked)
 
@@ -139,11 +139,21 @@ def reduce_output(
     if len(as_logits) > 1:
         warnings.warn(
             f"task={task.name!r} reduced each of the {len(as_logits)} tensors of {type(model).__name__}'s output "
-            f"(shapes {', '.join(map(str, as_logits))}) as logits; if some are not (features, a hidden state), say "
-            "each output's task with a dict, e.g. task={0: 'classification', 1: 'regression'}.",
+            f"(shapes {_shapes(as_logits)}) as logits; if some are not (features, a hidden state), say each "
+            f"output's task with a dict, e.g. task={_example_tasks(as_logits, task.name)}.",
             stacklevel=2,
         )
     return tree_unflatten(task.finish(model, reduced, inputs), tree)
+
+
+def _shapes(leaves: list[tuple[Any, tuple[int, ...]]]) -> str:
+    return ", ".join(str(shape) for _, shape in leaves)
+
+
+def _example_tasks(leaves: list[tuple[Any, tuple[int, ...]]], first: str) -> str:
+    """A ``task=`` mapping for an error message, keyed as the model's outputs are (a dict's keys, a tuple's indices)."""
+    (a, _), (b, _) = leaves[0], leaves[1]
+    return f"{{{a!r}: {first!r}, {b!r}: 'regression'}}"
 
 
 def check_leaf(

@@ -107,6 +107,7 @@ def test_a_model_wrapped_for_data_parallelism_is_refused_naming_the_order(tmp_pa
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert len(lines) == 4 and all("refused" in line for line in lines), lines
+    assert lines[0].startswith("ddp refused: convert() was given a DistributedDataParallel wrapper, which took")
     assert "convert first, then wrap: DistributedDataParallel(bayesify.convert(model))" in lines[0]
-    assert "holds ('0') a DistributedDataParallel wrapper" in lines[1]
+    assert "Sequential holds ('0') a DistributedDataParallel wrapper" in lines[1]
     assert "convert first, then shard: bayesify.training.shard(bayesify.convert(model))" in lines[2]
