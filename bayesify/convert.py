@@ -30,7 +30,7 @@ from bayesify.layers.hf_conv1d import Rank1HFConv1D
 from bayesify.layers.linear import Rank1Linear
 from bayesify.layers.recurrent import Rank1RNN, Rank1RNNCell
 from bayesify.model_state import ATTRIBUTE, ConversionReport, ModelState, Skip, SkipKind, is_root
-from bayesify.predictive.libraries import infer_task
+from bayesify.predictive.libraries import infer_task, said_of_model
 from bayesify.predictive.tasks import Auto, Task, check_class_axis, resolve_task
 from bayesify.sharding import is_sharded
 from bayesify.variational import store
@@ -224,7 +224,8 @@ def convert(
     check_class_axis(config.task, config.class_axis)
     input_positions(model, config.unbatched_inputs)  # (an input the forward does not have: refused before any change)
     table = _swap_table(mapping, config)
-    said = config.resolved_task()  # what the caller said of the output (Auto: nothing)
+    stated = infer_task(model)  # what the model states of its output (None: nothing)
+    said = said_of_model(config.resolved_task(), stated)  # what the caller said of it (Auto: nothing)
     adopted = [] if existing is None else _foreign_layers(model, existing)
     state = _state_for(model, config, said)  # (every layer takes the model's state: the foreign ones are adopted)
     for layer in adopted:  # their tables leave the other model's groups, to join this one's (_finish)
@@ -250,7 +251,7 @@ def convert(
                 model = new
     _time_major_layers(model)
     if isinstance(state.task, Auto):  # the one place convert decides it: what was said, else what the model states
-        state.task = resolve_task(said, stated=infer_task(model), class_axis=config.class_axis)
+        state.task = resolve_task(said, stated=stated, class_axis=config.class_axis)
     _finish(model, state, [name for name, _, _ in plan], skipped)
     return model
 

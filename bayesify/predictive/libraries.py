@@ -12,6 +12,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.predictive.tasks import Classification, Members, MultiLabel, Regression, Task, TaskMap
+from bayesify.predictive.tasks import Auto, Classification, CustomTask, Members, MultiLabel, Regression, Task, TaskMap
 
 __all__ = [
     "PAIRWISE_OUTPUTS", "WEIGHT_AS_IS", "HuggingFaceTask", "huggingface_loss", "infer_task", "predicts_next_token",
-    "with_decoder_inputs",
+    "said_of_model", "with_decoder_inputs",
 ]
 
 # Hugging Face outputs that pair the batch's examples with each other (a contrastive image-text model's similarity
@@ -202,6 +203,23 @@ def huggingface_model(model: nn.Module) -> nn.Module | None:
         inner = model.get_base_model()
         return inner if isinstance(inner, base) else None
     return None
+
+
+def said_of_model(said: Task, stated: Task | None) -> Task:
+    """A task said of a Hugging Face model's output as a whole (``task="classification"`` for a sequence
+    classifier), as the task of its ``logits`` in what the model states: its loss is still recomputed from the
+    mixture and its other outputs averaged (the said task alone reduced the loss as the members' mean, with a
+    warning). Any other task, or a mapping, a custom reduction, ``"members"``: as said."""
+    if (
+        isinstance(stated, HuggingFaceTask)
+        and stated.get("logits") is not None
+        and not isinstance(said, (Auto, TaskMap, Members, CustomTask))
+    ):
+        logits = stated.get("logits")
+        if isinstance(said, Classification) and said.class_axis is None and isinstance(logits, Classification):
+            said = dataclasses.replace(said, class_axis=logits.class_axis)  # (a model's logits: classes last)
+        return dataclasses.replace(stated, tasks=tuple((k, said if k == "logits" else t) for k, t in stated.tasks))
+    return said
 
 
 def _huggingface_task(model: nn.Module) -> Task | None:

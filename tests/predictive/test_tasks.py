@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -454,6 +455,30 @@ def test_a_multi_label_head_whose_problem_type_transformers_sets_in_training_is_
     torch.testing.assert_close(out.loss, F.binary_cross_entropy(mixture, labels))
     assert "multilabel" in str(bayesify.summary(model)).splitlines()[2]
     assert type(bayesify.uncertainty(model, ids, noise=False)).__name__ == "BinaryUncertainty"
+
+
+def test_a_task_said_of_a_hugging_face_classifier_keeps_its_loss_recomputed_from_the_mixture() -> None:
+    """``convert(bert, task="classification")``: the said task is the logits' and the loss is still the mixture's NLL
+    (it was the members' mean loss, with a warning)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = _bert_classifier(transformers, num_labels=3)
+    with torch.no_grad():
+        model.classifier.weight.mul_(30)
+    model = bayesify.convert(model, components=K, task="classification", init="normal").eval()
+    assert str(bayesify.summary(model)).splitlines()[2] == "output: {'logits': classification (class axis -1)}, other outputs averaged"
+    ids = torch.randint(4, 60, (6, 7))
+    labels = ids[:, 0] % 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            out = model(input_ids=ids, labels=labels)
+    mixture = torch.stack([member.logits for member in _members_by_hand(model, ids)]).softmax(-1).mean(0)
+    torch.testing.assert_close(out.loss, F.nll_loss(mixture.log(), labels))
+    assert bayesify.convert(model, task="classification") is model  # the same task said again: as it is
+    members = bayesify.convert(_bert_classifier(transformers, num_labels=3), components=K, task="members").eval()
+    with torch.no_grad():
+        assert members(input_ids=ids).logits.shape == (K, 6, 3)  # "members": no reduction, as said
 
 
 def test_a_headless_hugging_face_models_summary_says_its_outputs_are_averaged() -> None:
