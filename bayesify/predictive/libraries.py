@@ -8,11 +8,11 @@ function. Everything bayesify knows of these libraries' outputs is in this file.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import sys
 from collections.abc import Mapping
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
