@@ -241,7 +241,8 @@ def convert(
         said_of_layers = set(options) & set(scoped(Rank1Config, "layer"))
         repeated = not plan and not adopted and ATTRIBUTE in model.__dict__  # (a part converted before: a new root)
         if repeated and not any(skip.kind is SkipKind.EXCLUDED for skip in skipped.values()):
-            return _repeated(model, layer_options, said_of_layers)
+            # (an option said as None is unset: the default, which for a converted layer is what it has)
+            return _repeated(model, layer_options, {name for name in said_of_layers if options[name] is not None})
         layer_options = _the_models_layer_options(model, layer_options, said=said_of_layers)
     for name, module, layer_class in plan:
         new = layer_class.from_module(module, layer_options, state)

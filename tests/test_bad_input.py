@@ -79,6 +79,8 @@ def test_converting_again_with_what_the_model_has_is_a_no_op() -> None:
     state = net.rank1_model
     assert bayesify.convert(net) is net
     assert bayesify.convert(net, task="classification", components=4, prior_std=0.5) is net
+    depth = bayesify.convert(_net(), task="classification", prior_std=None, init_std=None)  # every option's default said
+    assert bayesify.convert(depth, task="classification", prior_std=None, init_std=None) is depth  # (None: unset)
     assert net.rank1_model is state and {k: v for k, v in net.state_dict().items()}.keys() == before.keys()
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
     assert net.eval()(torch.randn(3, 4)).shape == (3, 2)
