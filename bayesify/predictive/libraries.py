@@ -281,8 +281,9 @@ def restated_task(model: nn.Module, task: Task) -> Task:
     """``task``, or what ``model`` states now where it was read from a Hugging Face config that has changed since:
     transformers sets ``config.problem_type`` in the first forward pass with labels (float multi-hot labels: multi-label
     sigmoids, where the head stated nothing at conversion and read as a softmax over the labels)."""
-    config = getattr(huggingface_model(model), "config", None)
-    if isinstance(task, HuggingFaceTask) and getattr(config, "problem_type", None) != task.problem_type:
+    if not isinstance(task, HuggingFaceTask):  # (every pass asks: any other model's task, at once)
+        return task
+    if getattr(getattr(huggingface_model(model), "config", None), "problem_type", None) != task.problem_type:
         return _huggingface_task(model) or task
     return task
 
