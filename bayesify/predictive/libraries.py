@@ -207,15 +207,14 @@ def huggingface_model(model: nn.Module) -> nn.Module | None:
 
 def said_of_model(said: Task, stated: Task | None) -> Task:
     """A task said of a Hugging Face model's output as a whole (``task="classification"`` for a sequence
-    classifier), as the task of its ``logits`` in what the model states: its loss is still recomputed from the
-    mixture and its other outputs averaged (the said task alone reduced the loss as the members' mean, with a
-    warning). Any other task, or a mapping, a custom reduction, ``"members"``: as said."""
-    if (
-        isinstance(stated, HuggingFaceTask)
-        and stated.get("logits") is not None
-        and not isinstance(said, (Auto, TaskMap, Members, CustomTask))
+    classifier), as the task of its ``logits`` in what the model states, where it is of the kind the model's own
+    loss computes (a softmax said of a softmax head): its loss is still recomputed from the mixture and its other
+    outputs averaged (the said task alone reduced the loss as the members' mean, with a warning). Another kind (the
+    model's loss would not be the said task's NLL), a mapping, a custom reduction, ``"members"``: as said."""
+    logits = stated.get("logits") if isinstance(stated, HuggingFaceTask) else None
+    if logits is not None and (isinstance(said, type(logits)) or isinstance(logits, type(said))) and not isinstance(
+        said, (Auto, TaskMap, Members, CustomTask)
     ):
-        logits = stated.get("logits")
         if isinstance(said, Classification) and said.class_axis is None and isinstance(logits, Classification):
             said = dataclasses.replace(said, class_axis=logits.class_axis)  # (a model's logits: classes last)
         return dataclasses.replace(stated, tasks=tuple((k, said if k == "logits" else t) for k, t in stated.tasks))

@@ -479,6 +479,9 @@ def test_a_task_said_of_a_hugging_face_classifier_keeps_its_loss_recomputed_from
     members = bayesify.convert(_bert_classifier(transformers, num_labels=3), components=K, task="members").eval()
     with torch.no_grad():
         assert members(input_ids=ids).logits.shape == (K, 6, 3)  # "members": no reduction, as said
+    # another kind than the head's loss computes (sigmoids said of a softmax head): as said, the loss not recomputed
+    binary = bayesify.convert(_bert_classifier(transformers, num_labels=3), components=K, task="binary")
+    assert str(bayesify.summary(binary)).splitlines()[2] == "output: binary"
 
 
 def test_a_headless_hugging_face_models_summary_says_its_outputs_are_averaged() -> None:
