@@ -31,7 +31,7 @@ from bayesify.evaluation.ood import ood_metrics_per_score, ood_scores, score_not
 from bayesify.inspection import is_converted, model_task, num_components
 from bayesify.mode import predict
 from bayesify.model_state import model_state
-from bayesify.predictive.libraries import predicts_next_token, with_decoder_inputs
+from bayesify.predictive.libraries import padding_targets, predicts_next_token, with_decoder_inputs
 from bayesify.predictive.outputs import check_leaf, described, leaf_task, selected_output
 from bayesify.predictive.tasks import Classification, Task
 
@@ -134,7 +134,7 @@ def _collect_members(
         if y is not None:
             x = with_decoder_inputs(model, x, y.to(device))
         elif padding_label is not None and labels is None:
-            y = _padding_targets(x, padding_label)  # (after the decoder inputs: a target made here makes none)
+            y = padding_targets(x, padding_label)  # (after the decoder inputs: a target made here makes none)
         value = _forward(model, x, converted, samples, noise)
         members, key = selected_output(value, output, type(model).__name__, "evaluate()")
         if not converted:
@@ -159,15 +159,6 @@ def _collect_members(
             "and the others do not: give every batch its targets, or none."
         )
     return torch.cat(outputs, 1), torch.cat(targets) if targets else torch.empty(0), key
-
-
-def _padding_targets(x: object, label: int) -> Tensor | None:
-    """Targets for a mapping batch's token positions from its ``attention_mask``: ``label`` where it is 0 (padding),
-    0 elsewhere; None where the batch holds no such mask."""
-    mask = x.get("attention_mask") if isinstance(x, Mapping) else None
-    if not isinstance(mask, Tensor) or mask.dim() != 2:
-        return None
-    return torch.where(mask.bool(), 0, label).cpu()
 
 
 def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) -> tuple[object, Tensor | None]:

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from bayesify.predictive.tasks import Auto, Classification, CustomTask, Members, MultiLabel, Regression, Task, TaskMap
 
 __all__ = [
-    "PAIRWISE_OUTPUTS", "WEIGHT_AS_IS", "HuggingFaceTask", "huggingface_loss", "infer_task", "predicts_next_token",
-    "said_of_model", "with_decoder_inputs",
+    "PAIRWISE_OUTPUTS", "WEIGHT_AS_IS", "HuggingFaceTask", "huggingface_loss", "infer_task", "padding_targets",
+    "predicts_next_token", "said_of_model", "with_decoder_inputs",
 ]
 
 # Hugging Face outputs that pair the batch's examples with each other (a contrastive image-text model's similarity
@@ -311,6 +311,15 @@ def with_decoder_inputs(model: nn.Module, inputs: object, labels: Tensor) -> obj
     if not callable(prepare) or not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return inputs
     return {**inputs, "decoder_input_ids": prepare(labels=labels)}
+
+
+def padding_targets(x: object, label: int) -> Tensor | None:
+    """Targets for a mapping batch's token positions from its ``attention_mask`` (Hugging Face's inputs' mark of
+    padding): ``label`` where it is 0 (padding), 0 elsewhere; None where the batch holds no such mask."""
+    mask = x.get("attention_mask") if isinstance(x, Mapping) else None
+    if not isinstance(mask, Tensor) or mask.dim() != 2:
+        return None
+    return torch.where(mask.bool(), 0, label).cpu()
 
 
 # the heads whose loss the model's own ``self.loss_function`` computes from ``logits`` and ``labels`` alone
