@@ -240,28 +240,32 @@ class Router:
         noise = state.spec.noise if layer is None or layer.training == state.training else self.layer_noise(layer.training)
         # a layer whose noise is not the pass's (a sub-module in the other train / eval state) draws its own values
         draws = state.draws if noise == state.spec.noise else None
-        common = dict(noise=noise, per_block=per_block, layer=layer, draws=draws, recompute=again)
         rows, blocks, components, fixed, total = state.rows, state.blocks, state.block_components, state.fixed_components, state.rows.shape[0]
         if total == 0:
             # an empty batch: its rows take the per-row path (no blocks, so no zero-row blocks to fold); a
             # batch-independent input still has rows, and with no example to follow they go through component 0
-            return Draw(rows=rows if n == 0 else rows.new_zeros(n), **{**common, "draws": None})
+            return Draw(rows=rows if n == 0 else rows.new_zeros(n), noise=noise, per_block=per_block, layer=layer, recompute=again)
         if n == total:
-            return Draw(rows=rows, blocks=blocks, block_components=components, fixed_components=fixed, **common)
+            return Draw(
+                rows=rows, noise=noise, blocks=blocks, block_components=components, fixed_components=fixed,
+                per_block=per_block, layer=layer, draws=draws, recompute=again,
+            )  # fmt: skip
         if n % total == 0:
             # extra axes folded into the batch, batch-major (e.g. windows): repeat each row's component
             factor = n // total
             scaled = None if blocks is None else tuple((a * factor, b * factor) for a, b in blocks)
             return Draw(
-                rows=rows[:, None].expand(total, factor).reshape(-1), blocks=scaled, block_components=components,
-                fixed_components=fixed, repeat=factor, **common,
+                rows=rows[:, None].expand(total, factor).reshape(-1), noise=noise, blocks=scaled, block_components=components,
+                fixed_components=fixed, per_block=per_block, layer=layer, draws=draws, repeat=factor, recompute=again,
             )  # fmt: skip
         # a batch-independent input (e.g. a table fed through an MLP): one component for the whole call
         first = rows[:1].expand(n)
         if blocks is None:
-            return Draw(rows=first, first_only=True, **common)
-        fixed = None if fixed is None else fixed[:1]
-        return Draw(rows=first, blocks=((0, n),), block_components=components[:1], fixed_components=fixed, first_only=True, **common)
+            return Draw(rows=first, noise=noise, per_block=per_block, layer=layer, draws=draws, first_only=True, recompute=again)
+        return Draw(
+            rows=first, noise=noise, blocks=((0, n),), block_components=components[:1], fixed_components=None if fixed is None else fixed[:1],
+            per_block=per_block, layer=layer, draws=draws, first_only=True, recompute=again,
+        )  # fmt: skip
 
     def check_unbatched(self, x: Tensor, channel_axis: int, layer: nn.Module | None) -> None:
         """A layer that takes ``x`` as one unbatched example, whose channels are the rows of the pass's tiled batch:

@@ -9,8 +9,7 @@ forward on the perturbed input; the bias it adds is accounted for.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,9 +53,9 @@ def _pick(table: Tensor, components: tuple[int, ...]) -> Tensor:
     return table[list(components)]
 
 
-@dataclass(frozen=True)
-class Fold:
-    """How a layer runs with a given weight: ``apply(x, weight, bias)``, its groups and weight layout."""
+class Fold(NamedTuple):
+    """How a layer runs with a given weight: ``apply(x, weight, bias)``, its groups and weight layout. (A named
+    tuple: one is made every call, and Dynamo traces a named tuple's constructor in a few lines.)"""
 
     weight: Tensor
     apply: Callable[[Tensor, Tensor, Tensor | None], Tensor]
@@ -190,7 +189,8 @@ class Rank1Affine(Rank1Layer):
         if base.forward in self.rank1_known_forwards and not args and not kwargs and "weight" in self._parameters:
             return self._rank1_apply(
                 input, self.rank1_core, layer_bias(self), core_adds_bias=False, fold=self.rank1_fold(),
-                known=self.rank1_known_map(input),
+                # (a traced graph takes the plain ops: rank1_affine's one autograd node is eager's)
+                known=None if torch.compiler.is_compiling() else self.rank1_known_map(input),
             )  # fmt: skip
 
         # a subclass with its own forward (weight standardisation, same padding, ...): run it as is
@@ -217,13 +217,16 @@ class Rank1Affine(Rank1Layer):
         known: KnownMap | None = None,
     ) -> Tensor:
         batch_axis, channel_axis = self.rank1_axes(x)
-        if x.dim() == 0 or x.shape[channel_axis] != self.rank1_s.features:
+        # (the factors by their dict: every attribute read of a converted layer goes through its __getattr__, which
+        # Dynamo traces in every call of every layer)
+        s_factor, r_factor = self._modules["rank1_s"], self._modules["rank1_r"]
+        if x.dim() == 0 or x.shape[channel_axis] != s_factor.features:
             self.rank1_check()  # a weight of another shape since conversion, whose new width the input has
             if batch_axis is None:  # one unbatched example, whose own dimension the pass may have tiled as the batch
                 self.rank1_state.model.router.check_unbatched(x, channel_axis, self)
             core(x)  # a wrong input shape: let the layer's own computation raise torch's usual error
             raise ValueError(
-                f"{type(self).__name__} expects {self.rank1_s.features} input channels at dimension "
+                f"{type(self).__name__} expects {s_factor.features} input channels at dimension "
                 f"{channel_axis}, got an input of shape {tuple(x.shape)}."
             )
         draw = self.rank1_draw(1 if batch_axis is None else x.shape[batch_axis], x.device)
@@ -240,7 +243,7 @@ class Rank1Affine(Rank1Layer):
             offset = draw.gather_blocks("rank1_bias")
             if bias is not None:  # one row per block (a bias given by the caller, e.g. SwinV2's q/k/v biases)
                 offset = bias.expand(len(draw.blocks), -1) if offset is None else offset + bias
-            s, r = draw.sample_blocks(self.rank1_s, self.rank1_r)
+            s, r = draw.sample_blocks(s_factor, r_factor)
             return rank1_folded(
                 x, draw.blocks, fold.weight, fold.apply, s, r, offset, batch_axis=batch_axis, channel_axis=channel_axis,
                 groups=fold.groups, transposed=fold.transposed, dense=fold.dense,
@@ -251,7 +254,7 @@ class Rank1Affine(Rank1Layer):
         if known is None or additive or core_adds_bias:
             offset = with_bias(offset, None if core_adds_bias else bias, channel_axis)
             bias = bias if core_adds_bias else None
-        s, r = draw.sample(self.rank1_s, self.rank1_r, like=like)
+        s, r = draw.sample(s_factor, r_factor, like=like)
         return rank1_affine(
             x,
             core,

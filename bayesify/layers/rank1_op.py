@@ -100,21 +100,38 @@ def rank1_affine(
         offset = with_bias(offset, bias, channel_axis)
         return _rank1_affine_broadcast(x, core, s, r, offset, additive, batch_axis, channel_axis, core_bias)
     s = s.to(x.dtype)
+    shape = _row_shape(s, x.dim(), batch_axis, channel_axis)
+    if torch.compiler.is_compiling():
+        # a traced graph: the plain ops, which the compiler fuses and differentiates (no Function, kernel plan or
+        # saved-tensors hook for Dynamo to trace in every layer call)
+        out = core(x * (s if shape is None else s.view(shape)))
+        r, offset, shape, offset_shape = _output_values(out, r, with_bias(offset, bias, channel_axis), batch_axis, channel_axis)
+        r_b = r if shape is None else r.view(shape)
+        offset_b = offset if offset is None or offset_shape is None else offset.view(offset_shape)
+        return out * r_b if offset_b is None else torch.addcmul(offset_b, out, r_b)
     if known is not None and _one_node(x, s, r, offset, bias, known.weight):
-        s_b = s.view(shape) if (shape := _row_shape(s, x.dim(), batch_axis, channel_axis)) is not None else s
+        s_b = s if shape is None else s.view(shape)
         if kernels.plan(x, s_b, None, batch_axis, channel_axis) is None:  # (the fused kernels take the path below)
             return _rank1_known(x, s_b, r, offset, bias, known, batch_axis, channel_axis)
     offset = with_bias(offset, bias, channel_axis)
-    scaled, s_b, product = _scale(x, s, _row_shape(s, x.dim(), batch_axis, channel_axis), batch_axis, channel_axis)
+    scaled, s_b, product = _scale(x, s, shape, batch_axis, channel_axis)
     with recomputing(scaled, product, x, s_b):  # the core's saved copy of x o s: made again in backward
         out = core(scaled)
+    r, offset, shape, offset_shape = _output_values(out, r, offset, batch_axis, channel_axis)
+    return _scale_shift(out, r, offset, shape, offset_shape, batch_axis, channel_axis)
+
+
+def _output_values(
+    out: Tensor, r: Tensor, offset: Tensor | None, batch_axis: int | None, channel_axis: int
+) -> tuple[Tensor, Tensor | None, tuple[int, ...] | None, tuple[int, ...] | None]:
+    """``r`` and ``offset`` in ``out``'s dtype, with the shapes in which they broadcast against it."""
     if r.dim() not in (2, out.dim()):  # values shaped for the input's layout, and the output has another
         r = r.reshape(r.shape[batch_axis], -1)
         offset = None if offset is None or offset.dim() == 2 else offset.reshape(offset.shape[batch_axis], -1)
     shape = _row_shape(r, out.dim(), batch_axis, channel_axis)
-    offset_shape = None if offset is None else _row_shape(offset, out.dim(), batch_axis, channel_axis)
-    offset = None if offset is None else offset.to(out.dtype)
-    return _scale_shift(out, r.to(out.dtype), offset, shape, offset_shape, batch_axis, channel_axis)
+    if offset is None:
+        return r.to(out.dtype), None, shape, None
+    return r.to(out.dtype), offset.to(out.dtype), shape, _row_shape(offset, out.dim(), batch_axis, channel_axis)
 
 
 def _rank1_affine_broadcast(

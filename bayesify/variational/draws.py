@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -167,27 +167,26 @@ class ModelDraws:
         pass (:meth:`_again`)."""
         if again:
             return self._again(draws, group, slot, per, like)
-        values = draws.taken.get((group.key, per, like))
+        traced = torch.compiler.is_compiling()
+        # in a traced pass the group's tables come as they are ([m, features]: ``like`` is for the eager takes ahead),
+        # split from the group once for the pass: its backward is one cat. Each slice's backward would be a
+        # zero-padded copy of the whole group, and inductor sums them element by element (a test per table per
+        # element: 93 of a ViT-tiny step's 220 ms on the CPU)
+        values = draws.taken.get((group.key, per, None if traced else like))
         if values is not None and slot in values:
             return values[slot]
         if group.key >= len(self.groups) or self.groups[group.key] is not group:
             return None
-        if not torch.compiler.is_compiling():
+        if traced:
+            full = self._full(draws, group.key, per)
+            if full is not None:  # (in the forward graph itself: its pieces stay views, no graph boundary)
+                pieces = draws.taken[(group.key, per, None)] = group.take(full)
+                return pieces[slot]
+        else:
             shapes = self.needs.setdefault(draws.signature, {})
             slots = shapes.setdefault((per, like), {}).setdefault(group.key, set())
             draws.learnt = draws.learnt or slot not in slots
             slots.add(slot)
-        if torch.compiler.is_compiling():
-            # one split of the group for the pass: its backward is one cat. Each slice's backward would be a
-            # zero-padded copy of the whole group, and inductor sums them element by element (a test per table
-            # per element: 93 of a ViT-tiny step's 220 ms on the CPU)
-            pieces = draws.taken.get((group.key, per, None))
-            if pieces is None:
-                full = self._full(draws, group.key, per)
-                if full is not None:  # (in the forward graph itself: its pieces stay views, no graph boundary)
-                    pieces = draws.taken[(group.key, per, None)] = group.take(full)
-            if pieces is not None:
-                return pieces[slot]
         full = self._full(draws, group.key, per)
         if full is not None:
             start = group.starts[slot]
@@ -244,11 +243,12 @@ class ModelDraws:
         if key not in draws.joined:
             draws.joined[key] = group.joined(name)
         return draws.joined[key]
-@dataclass(frozen=True, kw_only=True)
-class Draw:
+class Draw(NamedTuple):
     """How one call of a layer is routed, and its values: the component of each row, whether to sample, the
     rows' blocks of one component each (when they run so; see :class:`bayesify.Sampling`). The router makes it
-    (``Router.route``), the layer takes its factors' values through it.
+    (``Router.route``, by keyword), the layer takes its factors' values through it. A named tuple, not a
+    dataclass: Dynamo traces its constructor in a few lines (a frozen dataclass made from a dict of options was
+    ~75 a layer call, a twelfth of what a compiled ViT traced of bayesify).
 
     Inside a routed forward pass the values come from the pass's draws (:class:`PassDraws`, made for the whole
     model ahead of the pass, a group of tables at a time: :mod:`bayesify.variational.store`); taking them costs no
@@ -306,26 +306,23 @@ class Draw:
         """Row ``k`` of a ``[K, ...]`` per-component table for each row: ``[n, ...]``. ``table`` is a tensor,
         or the name of one of the layer's bias offsets (None if the layer has none of that name); ``like``
         as for :meth:`sample`."""
-        found = self._table(table, ROWS, like)
-        if found is None or isinstance(found, _Drawn):
-            return None if found is None else found.value
-        return found[self.rows]
+        drawn, own = self._table(table, ROWS, like)
+        return drawn if own is None else own[self.rows]
 
     def gather_blocks(self, table: Tensor | str) -> Tensor | None:
         """Row ``k`` of a ``[K, ...]`` per-component table for each block (``table`` as for :meth:`gather`)."""
         assert self.block_components is not None, "gather_blocks() needs blocked rows"
-        found = self._table(table, BLOCKS)
-        if found is None or isinstance(found, _Drawn):
-            return None if found is None else found.value
-        return found[self.block_components]
+        drawn, own = self._table(table, BLOCKS)
+        return drawn if own is None else own[self.block_components]
 
-    def _table(self, table: Tensor | str, per: str, like: tuple | None = None) -> "Tensor | _Drawn | None":
+    def _table(self, table: Tensor | str, per: str, like: tuple | None = None) -> tuple[Tensor | None, Tensor | None]:
+        """``(its values drawn ahead, None)``, or ``(None, the table to gather from)``; ``(None, None)``: the layer
+        has no bias offset of that name."""
         if not isinstance(table, str):
-            return table
-        state = self.layer.rank1_state
-        slot = state.packed.get(table)
+            return None, table
+        slot = self.layer.rank1_state.packed.get(table)
         values = None if slot is None else self._ahead([slot], per, like)
-        return getattr(self.layer, table) if values is None else _Drawn(values[0])  # its own table, or None (no bias)
+        return (None, getattr(self.layer, table)) if values is None else (values[0], None)
 
     def _ahead(self, slots: list, per: str, like: tuple | None = None) -> list[Tensor] | None:
         """The values drawn ahead for these ``(group, slot)`` s, shaped for this call's rows; None if any was not."""
@@ -334,7 +331,7 @@ class Draw:
         for slot in slots:  # (loops, not any() of a generator: Dynamo traces this for every layer call)
             if slot is None:
                 return None
-        if like is not None:
+        if like is not None and not torch.compiler.is_compiling():  # (a traced pass takes no values shaped ahead)
             ndim, batch_axis, channel_axis = like
             like = (ndim, batch_axis % ndim, channel_axis % ndim)
             if self.repeat != 1 or self.first_only or per != ROWS or like[1] >= like[2]:
@@ -364,11 +361,6 @@ def saved_tensors_hooked() -> bool:
 
 def _same(t: Tensor) -> Tensor:
     return t
-
-
-@dataclass(frozen=True)
-class _Drawn:
-    value: Tensor
 
 
 def _own_pieces(pieces: dict[int, Tensor]) -> dict[int, Tensor]:
