@@ -488,8 +488,9 @@ class Router:
         )
         return args, kwargs
 
-    def end(self, module: nn.Module, output: object, task: Task) -> object:
-        """After the root's forward: a mixture's tiled output reduced by the pass's task, else ``task`` (the model's)."""
+    def end(self, module: nn.Module, output: object, task: Task, look: bool = False) -> object:
+        """After the root's forward: a mixture's tiled output reduced by the pass's task, else ``task`` (the model's);
+        ``look``: the model's first mixture pass (see :func:`~bayesify.predictive.outputs.reduce_output`)."""
         # rows stay in self.state for a backward pass that recomputes this forward (see live())
         self.active = False
         if not torch.compiler.is_compiling():
@@ -510,7 +511,7 @@ class Router:
         axes = self.output_axes(module, output, state.axis)
         return reduce_output(
             module, output, state.spec.task or task, members=state.members, batch=state.batch, axis=state.axis,
-            axes=axes, inputs=inputs,
+            axes=axes, inputs=inputs, look=look,
         )  # fmt: skip
 
     def output_axes(self, root: nn.Module, output: object, axis: int | None) -> list[int | None]:

@@ -63,7 +63,14 @@ def merge(model: nn.Module, component: int) -> nn.Module:
         Dusenberry et al., ICML 2020, Eq. 1 (``W o (r s^T)``).
     """
     _check_mergeable(model, component)
-    merged = copy.deepcopy(model)
+    try:
+        merged = copy.deepcopy(model)
+    except RuntimeError:
+        # torch copies no computed tensor (pruning's weight, old-style weight norm's): the layer's own refusal says
+        # what to do first, where it has one
+        with torch.no_grad():
+            _member_values(model, component)
+        raise
     with torch.no_grad():
         updates = _member_values(merged, component)
         untied = _write_values(merged, updates)

@@ -122,7 +122,8 @@ class ModelState:
         root.__dict__[ATTRIBUTE] = self
         self.handles = [
             root.register_forward_pre_hook(_pre_hook, with_kwargs=True),
-            root.register_forward_hook(_post_hook, with_kwargs=True, always_call=True),
+            # (first of the root's forward hooks: one registered before convert sees the reduced output too)
+            root.register_forward_hook(_post_hook, with_kwargs=True, always_call=True, prepend=True),
             root.register_load_state_dict_pre_hook(_load_hook),
         ]
         _weight_decay.install(root)  # timm's optimizer factory: no weight decay on the rank-1 parameters
@@ -173,7 +174,12 @@ class ModelState:
             )
         if state is not None and state.draws is not None:
             self.draws.end(state.draws)
-        output = self.router.end(root, output, self.current_task(root))
+        # a model's class outputs are looked at once for probabilities (a final softmax): one sync, in its first
+        # mixture pass only
+        look = state is not None and state.spec.route is Route.MIXTURE and "probabilities" not in self.warned
+        output = self.router.end(root, output, self.current_task(root), look=look)
+        if look and not torch.compiler.is_compiling():
+            self.warned.add("probabilities")  # (looked at, and not refused)
         return as_asked(output) if self.as_tuple else output
 
 

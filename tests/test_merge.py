@@ -412,3 +412,17 @@ def test_merge_without_a_hugging_face_model_keeps_the_config_out_of_it() -> None
     _, converted = _convert(_TiedLM())
     with pytest.warns(UserWarning, match=r"no longer tied \(tying them again would undo the merge\)"):
         bayesify.merge(converted, component=0)
+
+
+def test_a_pruned_layer_is_refused_in_bayesifys_line_not_torchs_copy_error() -> None:
+    # merge deep-copies the model first, and torch copies no pruned tensor: its error ("Only Tensors created
+    # explicitly by the user ... support the deepcopy protocol") came before the line naming prune.remove
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    model = bayesify.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), task="classification")
+    prune.random_unstructured(model[0], "weight", 0.5)
+    with pytest.raises(ValueError, match=r"into '0' \(Linear\).*prune.remove\(layer, 'weight'\)"):
+        bayesify.merge(model, component=0)
+    prune.remove(model[0], "weight")
+    bayesify.merge(model, component=0)

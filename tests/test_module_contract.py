@@ -425,6 +425,28 @@ def test_torchvision_feature_extractor_of_a_converted_model() -> None:
         extractor(x)
 
 
+def test_torch_fx_traces_a_converted_subclass_of_another_library_as_a_leaf() -> None:
+    # a user's nn.Linear subclass and timm's StdConv2d: fx traced into the converted layer's routing and failed
+    # ("symbolically traced variables cannot be used as inputs to control flow"); a plain torch.nn layer was a leaf
+    class MyLinear(nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    model = bayesify.convert(nn.Sequential(MyLinear(4, 8), nn.ReLU(), nn.Linear(8, 3)), task="classification", components=K)
+    perturb(model, loc_std=0.1, offset_std=0.1)
+    traced = torch.fx.symbolic_trace(model)
+    assert [n.target for n in traced.graph.nodes if n.op == "call_module"] == ["0", "1", "2"]
+    x = torch.randn(5, 4)
+    members = bayesify.predict(model.eval(), x, noise=False)
+    with bayesify.mode(traced, component=2, noise=False), torch.no_grad():
+        torch.testing.assert_close(traced(x), members[2])
+    timm = pytest.importorskip("timm")
+    from torchvision.models.feature_extraction import get_graph_node_names
+
+    net = bayesify.convert(timm.create_model("resnetv2_50x1_bit", pretrained=False, num_classes=3), components=K)
+    assert "stem.conv" in get_graph_node_names(net)[1]  # StdConv2d, a leaf
+
+
 def test_hugging_face_base_model_call() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -544,6 +566,36 @@ def test_converted_on_the_meta_device_a_plain_checkpoint_loads_with_the_initial_
         again = bayesify.convert(net(), **options)
     again.load_state_dict(reference.state_dict(), assign=True)
     torch.testing.assert_close(again.eval()(x), reference.eval()(x))
+
+
+def test_a_plain_checkpoint_assigned_to_a_model_on_meta_or_moved_there_gives_the_initial_factors() -> None:
+    # converted on meta then a plain checkpoint loaded with assign=True: the factors stayed on meta ("All keys
+    # matched", then a crash deep in the forward); converted on the CPU, moved to meta and given memory (to_empty):
+    # a strict load of the plain checkpoint kept what that memory held (NaN rows, silently)
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    torch.manual_seed(0)
+    plain = net().eval()
+    checkpoint, x = plain.state_dict(), torch.randn(4, 6)
+    with torch.device("meta"):
+        assigned = bayesify.convert(net(), task="classification", components=K)
+    assert not assigned.load_state_dict(checkpoint, assign=True, strict=True).missing_keys
+    moved = bayesify.convert(net(), task="classification", components=K).to("meta").to_empty(device="cpu")
+    with torch.no_grad():
+        for p in bayesify.rank1_parameters(moved):
+            p.fill_(float("nan"))  # what fresh memory may hold
+    assert not moved.load_state_dict(checkpoint, strict=True).missing_keys
+    for model in (assigned, moved):
+        assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in bayesify.rank1_parameters(model))
+        torch.testing.assert_close(model.eval()(x), plain(x).log_softmax(-1))  # every member the original
+    # values set since (a reset, a converted checkpoint) are kept by a later plain load
+    trained = bayesify.convert(net(), task="classification", components=K).to("meta").to_empty(device="cpu")
+    trained.load_state_dict(assigned.state_dict())
+    with torch.no_grad():
+        trained[0].rank1_s.loc.add_(0.5)
+    trained.load_state_dict(checkpoint)
+    assert (trained[0].rank1_s.loc - 1.5).abs().max() < 0.2
 
 
 def test_a_checkpoint_of_another_perturbation_or_posterior_is_refused_and_leaves_the_factors() -> None:
@@ -673,3 +725,16 @@ def test_a_converted_layer_put_in_from_another_model_is_refused_until_convert_ad
         rows = a(x)
     distance = (members[:, None] - rows[None]).abs().amax(-1).min(0).values
     assert distance.max() < 1e-5
+
+
+def test_a_forward_hook_on_the_root_registered_before_convert_sees_the_reduced_output() -> None:
+    # it ran before bayesify's reduction: K x B rows in evaluation, where one registered after saw B
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    seen: list = []
+    net.register_forward_pre_hook(lambda m, a: seen.append(("pre", a[0].shape[0])))
+    net.register_forward_hook(lambda m, a, o: seen.append(("post", a[0].shape[0], o.shape[0])))
+    bayesify.convert(net, task="classification", components=K)
+    net.register_forward_hook(lambda m, a, o: seen.append(("after", a[0].shape[0], o.shape[0])))
+    net.eval()(torch.randn(5, 4))
+    assert seen == [("pre", 5), ("post", 5 * K, 5), ("after", 5 * K, 5)]

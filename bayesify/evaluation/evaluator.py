@@ -108,7 +108,7 @@ def _collect_members(
     model: nn.Module, batches: Iterable[Batch], samples: int, device: torch.device | str,
     transform: Transform | None, corrupt: Callable[[Tensor, int], Tensor] | None, noise: bool | None,
     output: object = None, *, labels: bool | None = True, task: Task | None = None, label_key: str = "labels",
-    padding_label: int | None = None,
+    padding_label: int | None = None, name: str = "the test set",
 ) -> tuple[Tensor, Tensor, object]:  # fmt: skip
     """:func:`collect_members`, and the key of the output collected (None: the model returns one tensor);
     ``labels``: the targets are scored (a language model's logits and labels are then aligned; False: an OOD set,
@@ -116,7 +116,8 @@ def _collect_members(
     them, aligned as with True, else empty); ``task``: the model's, checked to name one for the output collected
     at the first batch (not after the whole set); ``padding_label``: a mapping batch that holds no target but an
     ``attention_mask`` (tokens with no labels: an OOD set) gets targets of this label at its padding positions, 0
-    elsewhere, so that the scoring leaves the padding out as it does the labelled set's."""
+    elsewhere, so that the scoring leaves the padding out as it does the labelled set's; ``name``: the set's, for
+    an error."""
     converted = is_converted(model)
     next_token = labels is not False and predicts_next_token(model)
     batch_dim = model_state(model).options.batch_dim if converted else 0
@@ -152,7 +153,7 @@ def _collect_members(
         if labels is not False and y is not None:
             targets.append(y.cpu())
     if not outputs:
-        raise ValueError("the test set is empty: nothing to evaluate.")
+        raise ValueError(f"{name} is empty: nothing to evaluate.")
     if labels is None and 0 < len(targets) < len(outputs):
         raise ValueError(
             f"{len(targets)} of the {len(outputs)} batches hold targets (under label_key={label_key!r}, or as pairs) "
@@ -466,16 +467,16 @@ def ood_detection(
     # language model's logits at t against the label at t + 1); the OOD set's where its batches hold them
     ignoring = ignore_index is not None
 
-    def members(batches: Iterable[Batch], labels: bool | None) -> tuple[Tensor, Tensor, object]:
+    def members(batches: Iterable[Batch], labels: bool | None, name: str) -> tuple[Tensor, Tensor, object]:
         with evaluation_mode(model):
             return _collect_members(
                 model, batches, m, device, transform, None, converted, output, labels=labels, label_key=label_key,
-                padding_label=ignore_index,
+                padding_label=ignore_index, name=name,
             )  # fmt: skip
 
     reuse = outputs is not None and (not converted or samples > 1) and (ignore_index is None or targets is not None)
-    inside, inside_targets, key = (outputs, targets, output) if reuse else members(data, ignoring)
-    outside, outside_targets, key = members(ood, None if ignoring else False)
+    inside, inside_targets, key = (outputs, targets, output) if reuse else members(data, ignoring, "the test set")
+    outside, outside_targets, key = members(ood, None if ignoring else False, "the OOD set (ood=)")
     scored = leaf_task(task, key, model)
     u_in = _scored_positions(scored.uncertainty(inside), inside_targets, ignore_index, "the test set")
     u_out = _scored_positions(scored.uncertainty(outside), outside_targets, ignore_index, None)

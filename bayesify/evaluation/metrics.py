@@ -31,7 +31,7 @@ from torch import Tensor
 
 from bayesify.evaluation.regression import regression_metrics
 from bayesify.mixture import logmeanexp
-from bayesify.predictive.tasks import resolve_task
+from bayesify.predictive.tasks import refuse_probabilities, resolve_task
 
 __all__ = [
     "accuracy",
@@ -59,6 +59,7 @@ def member_log_probs_from_logits(logits: Tensor) -> Tensor:
     logits = logits.float()
     if logits.shape[-1] == 1:
         return torch.cat([F.logsigmoid(-logits), F.logsigmoid(logits)], dim=-1)
+    refuse_probabilities(logits, -1)
     return logits.log_softmax(-1)
 
 

@@ -18,7 +18,9 @@ Why a custom backward: autograd through a Python loop records ~15 nodes per step
 step, one matmul for the weight gradient. Here the per-step work is one matmul forward and one
 backward (the state gradient); the gradients of ``W_hh``, ``W_hr`` and of the factors are single
 large matmuls / reductions over all steps after the loop, and the gate derivatives are computed
-for all steps at once. Double backward is not supported.
+for all steps at once. Its backward is not differentiable: a second derivative (``create_graph=True``) is refused
+in one line; :func:`reference_scan` is the same recurrence in autograd's ops (no hand-written backward), which
+``torch.func``'s transforms run (grad of grad included).
 
 References:
     Dusenberry et al., ICML 2020, Sec. 3 and App. (rank-1 LSTM); edward2 ``LSTMCellRank1``.
@@ -30,9 +32,8 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
-__all__ = ["RecurrentScan", "row_positions"]
+__all__ = ["RecurrentScan", "reference_scan", "row_positions"]
 
 
 def row_positions(batch_sizes: Sequence[int], device: torch.device) -> Tensor:
@@ -204,64 +205,77 @@ class RecurrentScan(torch.autograd.Function):
         return out, h
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, d_out: Tensor, d_hn: Tensor, d_cn: Tensor | None = None) -> tuple[Tensor | None, ...]:
-        mode, batch_sizes, offsets, order, additive, _, hidden = ctx.meta
-        w_hh, s_h, r_h, _, w_hr, s_hr, r_hr = ctx.saved_tensors
-        h_prev, a_all, act = ctx.h_prev, ctx.a_all, ctx.act
-        (n_rows, _), width = a_all.shape, h_prev.shape[1]
-        lstm, gru = mode == "LSTM", mode == "GRU"
+        # (not once_differentiable: its gradients of a second derivative came back None where they pass this layer
+        # without reaching its inputs, silently; create_graph=True is the grad mode a backward runs in)
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"a converted {ctx.meta[0].split('_')[0]} layer's backward pass is written by hand and cannot be "
+                "differentiated again (create_graph=True: a gradient penalty, a second-order update); take the second "
+                "derivative with torch.func (torch.func.grad of torch.func.grad, or torch.func.hessian), which runs "
+                "its recurrence with autograd's ops, or keep the layer plain with bayesify.convert(..., exclude=[...])."
+            )
+        return _scan_backward(ctx, d_out, d_hn, d_cn)
 
-        dh = d_hn.clone()
-        d_xi = torch.empty_like(a_all)  # gradient of the input projections
-        d_pre = d_xi  # gradient of the recurrent pre-activation (a o r_h (+ b_h)); GRU: its own
-        d_hs = h_prev.new_empty(n_rows, width)  # gradient of h_{t-1} o s_h
-        # gate derivatives of every step, computed at once before the (sequential) loop
-        m_all = d_h_rows = d_ms = None
+
+def _scan_backward(ctx: Any, d_out: Tensor, d_hn: Tensor, d_cn: Tensor | None) -> tuple[Tensor | None, ...]:
+    """:meth:`RecurrentScan.backward`'s gradients (grad mode off)."""
+    mode, batch_sizes, offsets, order, additive, _, hidden = ctx.meta
+    w_hh, s_h, r_h, _, w_hr, s_hr, r_hr = ctx.saved_tensors
+    h_prev, a_all, act = ctx.h_prev, ctx.a_all, ctx.act
+    (n_rows, _), width = a_all.shape, h_prev.shape[1]
+    lstm, gru = mode == "LSTM", mode == "GRU"
+
+    dh = d_hn.clone()
+    d_xi = torch.empty_like(a_all)  # gradient of the input projections
+    d_pre = d_xi  # gradient of the recurrent pre-activation (a o r_h (+ b_h)); GRU: its own
+    d_hs = h_prev.new_empty(n_rows, width)  # gradient of h_{t-1} o s_h
+    # gate derivatives of every step, computed at once before the (sequential) loop
+    m_all = d_h_rows = d_ms = None
+    if lstm:
+        dc = d_cn.clone()  # type: ignore[union-attr]
+        scale, o_dtanh, f, o = _lstm_gate_derivatives(act, ctx.c_prev, ctx.tanh_c, hidden)
+        if w_hr is not None:
+            m_all = o * ctx.tanh_c
+            d_h_rows = h_prev.new_empty(n_rows, width)
+            d_ms = h_prev.new_empty(n_rows, hidden)
+    elif gru:
+        scale, scale_h, z = _gru_gate_derivatives(act, h_prev, ctx.gh_n)
+        d_pre = torch.empty_like(a_all)
+    else:
+        scale = 1 - act * act if mode == "RNN_TANH" else (act > 0).to(act.dtype)
+
+    for t in reversed(order):
+        lo, size = offsets[t], batch_sizes[t]
+        hi = lo + size
+        dha = dh[:size] + d_out[lo:hi]
         if lstm:
-            dc = d_cn.clone()  # type: ignore[union-attr]
-            scale, o_dtanh, f, o = _lstm_gate_derivatives(act, ctx.c_prev, ctx.tanh_c, hidden)
             if w_hr is not None:
-                m_all = o * ctx.tanh_c
-                d_h_rows = h_prev.new_empty(n_rows, width)
-                d_ms = h_prev.new_empty(n_rows, hidden)
-        elif gru:
-            scale, scale_h, z = _gru_gate_derivatives(act, h_prev, ctx.gh_n)
-            d_pre = torch.empty_like(a_all)
-        else:
-            scale = 1 - act * act if mode == "RNN_TANH" else (act > 0).to(act.dtype)
-
-        for t in reversed(order):
-            lo, size = offsets[t], batch_sizes[t]
-            hi = lo + size
-            dha = dh[:size] + d_out[lo:hi]
-            if lstm:
-                if w_hr is not None:
-                    d_h_rows[lo:hi] = dha  # type: ignore[index]
-                    dp = dha if additive else dha * r_hr[:size]
-                    dms = torch.mm(dp, w_hr, out=d_ms[lo:hi])  # type: ignore[index]
-                    dm = dms if additive else dms * s_hr[:size]
-                else:
-                    dm = dha
-                dca = torch.addcmul(dc[:size], dm, o_dtanh[lo:hi])
-                dg = torch.mul(torch.cat((dca, dca, dca, dm), 1), scale[lo:hi], out=d_xi[lo:hi])
-                dc[:size] = dca * f[lo:hi]
-            elif gru:
-                dha3 = torch.cat((dha, dha, dha), 1)
-                torch.mul(dha3, scale[lo:hi], out=d_xi[lo:hi])
-                dg = torch.mul(dha3, scale_h[lo:hi], out=d_pre[lo:hi])
+                d_h_rows[lo:hi] = dha  # type: ignore[index]
+                dp = dha if additive else dha * r_hr[:size]
+                dms = torch.mm(dp, w_hr, out=d_ms[lo:hi])  # type: ignore[index]
+                dm = dms if additive else dms * s_hr[:size]
             else:
-                dg = torch.mul(dha, scale[lo:hi], out=d_xi[lo:hi])
-            da = dg if r_h is None else dg * r_h[:size]
-            dhs = torch.mm(da, w_hh, out=d_hs[lo:hi])
-            dhp = dhs if additive else dhs * s_h[:size]
-            if gru:
-                dhp = torch.addcmul(dhp, dha, z[lo:hi])
-            dh[:size] = dhp
+                dm = dha
+            dca = torch.addcmul(dc[:size], dm, o_dtanh[lo:hi])
+            dg = torch.mul(torch.cat((dca, dca, dca, dm), 1), scale[lo:hi], out=d_xi[lo:hi])
+            dc[:size] = dca * f[lo:hi]
+        elif gru:
+            dha3 = torch.cat((dha, dha, dha), 1)
+            torch.mul(dha3, scale[lo:hi], out=d_xi[lo:hi])
+            dg = torch.mul(dha3, scale_h[lo:hi], out=d_pre[lo:hi])
+        else:
+            dg = torch.mul(dha, scale[lo:hi], out=d_xi[lo:hi])
+        da = dg if r_h is None else dg * r_h[:size]
+        dhs = torch.mm(da, w_hh, out=d_hs[lo:hi])
+        dhp = dhs if additive else dhs * s_h[:size]
+        if gru:
+            dhp = torch.addcmul(dhp, dha, z[lo:hi])
+        dh[:size] = dhp
 
-        d_weights = _weight_grads(ctx, d_pre, d_hs, m_all, d_h_rows, d_ms)
-        d_c0 = dc if lstm else None
-        return d_xi, dh, d_c0, *d_weights, None, None, None, None
+    d_weights = _weight_grads(ctx, d_pre, d_hs, m_all, d_h_rows, d_ms)
+    d_c0 = dc if lstm else None
+    return d_xi, dh, d_c0, *d_weights, None, None, None, None
 
 
 # the backward pass's phases that do not feed the recurrence: the gate derivatives of every step before its loop,
@@ -328,3 +342,56 @@ def _weight_grads(
         if need[9]:
             d_rhr = _row_sum(d_h_rows if additive else d_h_rows * ctx.proj, pos, batch, steps)  # type: ignore[operator,arg-type]
     return d_whh, d_sh, d_rh, d_bh, d_whr, d_shr, d_rhr
+
+
+def reference_scan(
+    xi: Tensor,
+    h0: Tensor,
+    c0: Tensor | None,
+    w_hh: Tensor,
+    s_h: Tensor,
+    r_h: Tensor | None,
+    b_h: Tensor | None,
+    w_hr: Tensor | None,
+    s_hr: Tensor | None,
+    r_hr: Tensor | None,
+    mode: str,
+    batch_sizes: Sequence[int],
+    reverse: bool,
+    additive: bool,
+) -> tuple[Tensor, ...]:
+    """:class:`RecurrentScan`'s recurrence in autograd's ops, nothing written in place: the same arguments and
+    outputs, differentiable any number of times, and what ``torch.func``'s transforms run (the Function has no
+    functorch rules). A step at a time, so slower."""
+    hidden = xi.shape[1] // {"LSTM": 4, "GRU": 3}.get(mode, 1)
+    offsets = [0]
+    for size in batch_sizes:
+        offsets.append(offsets[-1] + size)
+    h, c = h0, c0
+    outs: list[Tensor | None] = [None] * len(batch_sizes)
+    for t in range(len(batch_sizes) - 1, -1, -1) if reverse else range(len(batch_sizes)):
+        lo, size = offsets[t], batch_sizes[t]
+        x, hp = xi[lo : lo + size], h[:size]
+        a = (hp + s_h[:size] if additive else hp * s_h[:size]) @ w_hh.t()
+        if mode == "GRU":
+            gh = a if r_h is None else a * r_h[:size]
+            gh = gh if b_h is None else gh + b_h[:size]
+            r, z = torch.sigmoid(x[:, : 2 * hidden] + gh[:, : 2 * hidden]).chunk(2, 1)
+            n = torch.tanh(x[:, 2 * hidden :] + r * gh[:, 2 * hidden :])
+            h_new = n + z * (hp - n)
+        else:
+            pre = x + (a if r_h is None else a * r_h[:size])
+            if mode == "LSTM":
+                i, f, g, o = pre.chunk(4, 1)
+                c_new = torch.sigmoid(f) * c[:size] + torch.sigmoid(i) * torch.tanh(g)  # type: ignore[index]
+                h_new = torch.sigmoid(o) * torch.tanh(c_new)
+                if w_hr is not None:
+                    p = (h_new + s_hr[:size] if additive else h_new * s_hr[:size]) @ w_hr.t()  # type: ignore[index]
+                    h_new = p + r_hr[:size] if additive else p * r_hr[:size]  # type: ignore[index]
+                c = torch.cat((c_new, c[size:]))  # type: ignore[index]
+            else:
+                h_new = torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)
+        outs[t] = h_new
+        h = torch.cat((h_new, h[size:]))
+    out = torch.cat(outs) if outs else xi.new_zeros(0, h0.shape[1])  # type: ignore[arg-type]
+    return (out, h, c) if mode == "LSTM" else (out, h)

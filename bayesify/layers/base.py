@@ -65,10 +65,12 @@ def rank1_class(layer_class: type["ConvertedLayer"], base: type[nn.Module]) -> t
         name = f"Rank1{base.__name__}"
         cls = type(name, (layer_class, base), {"__rank1_wrapper__": layer_class, "__rank1_base__": base})
         cls.__qualname__ = name
-        # a torch.nn layer stays a leaf for torch.fx (which decides by the class's module): a traced graph
-        # (torchvision's create_feature_extractor) calls the converted layer instead of tracing into its routing
+        # a converted layer is a leaf for torch.fx, which decides by the class's module (torch.nn's are leaves): a
+        # traced graph (torchvision's create_feature_extractor) calls the converted layer instead of tracing into its
+        # routing, which decides on shapes. A subclass of another library's (timm's StdConv2d, a user's nn.Linear)
+        # too, under a name in torch.nn's space that says whose it is (whole-model pickles rebuild it: _rebuild)
         torch_layer = base.__module__.startswith(("torch.nn.", "torch.ao.nn."))
-        cls.__module__ = base.__module__ if torch_layer else layer_class.__module__
+        cls.__module__ = base.__module__ if torch_layer else f"torch.nn.modules.bayesify.{base.__module__}"
         _GENERATED[key] = cls
     return _GENERATED[key]
 
@@ -177,14 +179,35 @@ def _keep_rank1_state_if_absent(
             return
         state.unset = False
         return
+    if state.unset and any(t.is_meta for t in own.values()):
+        # still on the meta device, and the checkpoint's tensors of this layer are real (load_state_dict(...,
+        # assign=True), as a large model is loaded): its rank-1 values are made where they are, then initialised
+        device = next((v.device for k, v in state_dict.items() if k.startswith(prefix) and isinstance(v, Tensor)
+                       and not v.is_meta and k[len(prefix):] not in own), None)  # fmt: skip
+        if device is not None:
+            _materialise(layer, device)
+            own = layer.rank1_state_dict()
     if state.unset and not any(t.is_meta for t in own.values()):
-        # converted on the meta device, then given memory (to_empty): the "current values" are whatever that
-        # memory held, so the layer's initial values go in (what converting a real model would have made)
+        # converted on (or moved to) the meta device, then given memory (to_empty): the "current values" are
+        # whatever that memory held, so the layer's initial values go in (what converting a real model would make)
         with torch.no_grad():
             layer.rank1_reset()
         state.unset = False
     for key, value in own.items():
         state_dict[prefix + key] = value
+
+
+def _materialise(layer: nn.Module, device: torch.device) -> None:
+    """Every meta ``rank1_*`` tensor of ``layer`` replaced by one of memory on ``device`` (values unset)."""
+    for module in (layer, *(child for name, child in layer._modules.items() if name.startswith("rank1_"))):
+        for name, value in [*module._parameters.items(), *module._buffers.items()]:
+            if value is None or not value.is_meta or (module is layer and not name.startswith("rank1_")):
+                continue
+            made = torch.empty_like(value, device=device)
+            if name in module._parameters:
+                module._parameters[name] = nn.Parameter(made, requires_grad=value.requires_grad)
+            else:
+                module._buffers[name] = made
 
 
 def _own_shapes(layer: nn.Module) -> tuple[tuple[tuple[str, ...], str, tuple[int, ...]], ...]:
@@ -432,6 +455,16 @@ class ConvertedLayer(nn.Module):
             factor.reset_parameters()
         for offset, _ in self.rank1_bias_offsets():
             offset.zero_()
+        self.rank1_state.unset = False
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> nn.Module:
+        # a layer moved to the meta device (model.to("meta")) has no rank-1 values from then on: a later
+        # to_empty() gives them whatever memory held, which a checkpoint without them must not keep (load hook)
+        super()._apply(fn, recurse)
+        state = self.__dict__.get("rank1_state")
+        if state is not None and any(t.is_meta for t in self.rank1_state_dict().values()):
+            state.unset = True
+        return self
 
     def rank1_parameters(self) -> Iterator[nn.Parameter]:
         """The parameters that hold what bayesify added to this layer (factors, bias offsets and the like):

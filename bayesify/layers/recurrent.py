@@ -44,7 +44,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten
 
 from bayesify.config import LayerOptions
-from bayesify.layers._scan import RecurrentScan, row_positions
+from bayesify.layers._scan import RecurrentScan, reference_scan, row_positions
 from bayesify.layers.base import Rank1Layer
 from bayesify.layers.folded import fold_weight
 from bayesify.layers.rank1_op import rank1_affine
@@ -240,8 +240,10 @@ class _Rank1Recurrent(Rank1Layer):
         tensors = [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t for t in tensors]
         device = xi.device.type
         autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
+        # (torch.func's transforms run the recurrence in autograd's ops: the Function has no functorch rules)
+        scan = reference_scan if torch._C._are_functorch_transforms_active() else RecurrentScan.apply
         with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-            return RecurrentScan.apply(*tensors, mode, batch_sizes, reverse, additive)
+            return scan(*tensors, mode, batch_sizes, reverse, additive)
 
     # ---- a recurrent layer used as the model: where the batch lies (see _routing.py) -------------
 

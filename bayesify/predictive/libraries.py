@@ -152,6 +152,8 @@ class HuggingFaceTask(TaskMap):
             return super().finish(model, reduced, inputs)
         outputs = {key: value for key, value in reduced if isinstance(value, Tensor)}
         loss = huggingface_loss(model, outputs, inputs)
+        if loss is None:  # the model computed a loss, from inputs other than the labels (CLIP's return_loss)
+            raise _cannot_recompute(model)
         return [loss if key == "loss" else value for key, value in reduced]
 
 
@@ -330,7 +332,8 @@ _LOSS_FUNCTION_TYPES = (
 
 
 def huggingface_loss(model: nn.Module, outputs: dict[str, Tensor], inputs: dict[str, Any]) -> Tensor | None:
-    """The loss the model computes, on the mixture's outputs (the predictive NLL); None without labels.
+    """The loss the model computes, on the mixture's outputs (the predictive NLL); None without labels (or a
+    question-answering model's positions), and a ``ValueError`` where the model computes it another way.
 
     A model's forward computes its loss in one of two ways: with ``self.loss_function`` (what Hugging Face maps
     the head's name to), or in its own code. Each is repeated here only where it is known to be that model's
@@ -346,8 +349,10 @@ def huggingface_loss(model: nn.Module, outputs: dict[str, Tensor], inputs: dict[
             return None
         return _question_answering_loss(outputs["start_logits"], outputs["end_logits"], start, end)
     labels, logits = inputs.get("labels"), outputs.get("logits")
-    if not isinstance(labels, Tensor) or logits is None:
+    if not isinstance(labels, Tensor):
         return None
+    if logits is None:  # labels, and outputs of other names (a pre-training head's prediction_logits)
+        raise _cannot_recompute(model)
     config = model.config
     loss_function = getattr(model, "loss_function", None)
     if loss_function is not None and _computes_with_loss_function(type(model)):
@@ -370,10 +375,15 @@ def huggingface_loss(model: nn.Module, outputs: dict[str, Tensor], inputs: dict[
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
     elif kind.endswith("ForSequenceClassification"):
         return _sequence_classification_loss(logits, labels, config)
-    raise ValueError(
-        f"bayesify cannot recompute {kind}'s loss from the mixture of its members (the model computes it its own "
-        "way): in evaluation call it without labels and compute the loss from the mixture's outputs, or take one "
-        "member's loss under bayesify.mode(model, component=k)."
+    raise _cannot_recompute(model)
+
+
+def _cannot_recompute(model: nn.Module) -> ValueError:
+    model = huggingface_model(model) or model
+    return ValueError(
+        f"bayesify cannot recompute {type(model).__name__}'s loss from the mixture of its members (the model computes "
+        "it its own way): in evaluation call it without labels (or return_loss) and compute the loss from the "
+        "mixture's outputs, or take one member's loss under bayesify.mode(model, component=k)."
     )
 
 

@@ -20,7 +20,9 @@ from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
 from bayesify.mixture import split_members
 from bayesify.predictive.libraries import PAIRWISE_OUTPUTS, infer_task
-from bayesify.predictive.tasks import Auto, Binary, Classification, CustomTask, Gaussian, Members, Task, TaskMap
+from bayesify.predictive.tasks import (
+    Auto, Binary, Classification, CustomTask, Gaussian, Members, Task, TaskMap, refuse_probabilities,
+)  # fmt: skip
 
 __all__ = [
     "check_leaf", "check_rows", "described", "is_packed", "leaf_task", "output_key", "primary_leaf", "primary_output", "reduce_output",
@@ -86,10 +88,12 @@ def reduce_output(
     axis: int | None,
     axes: list[int | None],
     inputs: dict,
+    look: bool = False,
 ) -> object:
     """The mixture predictive of a tiled ``output`` (``members * batch`` rows at each leaf's batch axis ``axes``;
     ``axis`` None: one unbatched example, the members along the leaf's axis); ``inputs``: the call's keyword
-    arguments (a task may read them, e.g. a Hugging Face model's ``labels``)."""
+    arguments (a task may read them, e.g. a Hugging Face model's ``labels``). ``look``: a model's first mixture
+    pass, whose class outputs are looked at for probabilities (:func:`~bayesify.predictive.tasks.refuse_probabilities`)."""
     leaves, tree = tree_flatten_with_path(output, is_leaf=is_packed)
     primary = primary_leaf(output)
 
@@ -132,6 +136,8 @@ def reduce_output(
                     f"return torch.cat([mean, log_var], -1), or name each output's task with a dict (e.g. "
                     f"task={_example_tasks(as_logits, 'gaussian')})."
                 )
+        if look and isinstance(found, Classification):
+            refuse_probabilities(stacked, found.axis(stacked.shape[1:]) + 1)
         return found.reduce(stacked)
 
     as_logits: list[tuple[int, ...]] = []  # the leaves one task of logits reduced

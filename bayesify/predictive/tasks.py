@@ -200,14 +200,42 @@ class Classification(Task):
         return _per_row(ll)
 
     def uncertainty(self, members: Tensor) -> decompositions.ClassificationUncertainty:
+        refuse_probabilities(members, self.axis(members.shape[1:]) + 1)
         return decompositions.classification_uncertainty(members, class_axis=self.axis(members.shape[1:]))
 
     def member_log_probs(self, members: Tensor) -> Tensor:
+        refuse_probabilities(members, self.axis(members.shape[1:]) + 1)
         logits = members.movedim(self.axis(members.shape[1:]) + 1, -1)
         return logits.reshape(logits.shape[0], -1, logits.shape[-1]).log_softmax(-1)
 
     def __str__(self) -> str:
         return self.name if self.class_axis is None else f"{self.name} (class axis {self.class_axis})"
+
+
+def refuse_probabilities(members: Tensor, axis: int) -> None:
+    """Class outputs that are probabilities already (a model ending in a softmax) would go through a softmax again:
+    the mixture, its NLL and its uncertainty all wrong, silently. Refused in one line where every value is
+    non-negative and every row along the class ``axis`` sums to 1 (log-probabilities pass: a softmax leaves them as
+    they are). It reads values (one sync): not in a traced graph, and the forward pass looks once per model."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()  # (a batched tensor's values are not read)
+        or isinstance(members, torch._subclasses.FakeTensor)
+        or members.device.type == "meta"
+        or not members.is_floating_point()
+        or members.numel() == 0
+        or members.shape[axis] < 2
+    ):
+        return
+    tolerance = 1e-3 if members.dtype in (torch.float32, torch.float64) else 2e-2  # (a half-precision row's sum)
+    rows = members.detach().sum(axis, dtype=torch.float32)
+    if bool((members.detach().min() >= 0) & ((rows - 1).abs().max() <= tolerance)):
+        raise ValueError(
+            "the model's class outputs are probabilities (every value non-negative, every row summing to 1: a final "
+            "softmax), but task='classification' takes logits and takes their softmax; return the logits (leave the "
+            "softmax out) or their log (torch.log(probs): log-probabilities are logits), or say task='members' to "
+            "stack the members as they are."
+        )
 
 
 def _wide(t: Tensor) -> Tensor:

@@ -289,3 +289,12 @@ def test_corrupted_results_do_not_depend_on_the_batch_size(images):
     for name, by_severity in by_batch[0].items():
         for key, value in by_severity[3].items():
             assert by_batch[1][name][3][key] == pytest.approx(value, rel=1e-6), (name, key)
+
+
+def test_an_empty_set_is_named_in_the_error(images):
+    # an empty OOD set was reported as an empty test set
+    empty = InMemoryDataset(images.inputs[:0], images.labels[:0])
+    with pytest.raises(ValueError, match=r"^the OOD set \(ood=\) is empty"):
+        evaluate(_net(), images, ood=empty)
+    with pytest.raises(ValueError, match="^the test set is empty"):
+        evaluate(_net(), empty)

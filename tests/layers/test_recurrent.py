@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import bayesify
-from bayesify.layers._scan import RecurrentScan
+from bayesify.layers._scan import RecurrentScan, reference_scan
 
 K = 3
 B, T, F_IN, H = 3, 4, 3, 4
@@ -229,6 +229,33 @@ def test_scan_gradcheck(mode: str, proj: bool, packed: bool, reverse: bool, addi
 
     inputs = [a for a in (xi, h0, c0, w_hh, s_h, r_h, b_h, w_hr, s_hr, r_hr) if a is not None]
     assert torch.autograd.gradcheck(run, inputs, atol=1e-6)
+    # the same recurrence in autograd's ops (what torch.func runs): the same outputs and gradients
+    args = (xi, h0, c0, w_hh, s_h, r_h, b_h, w_hr, s_hr, r_hr, mode, sizes, reverse, additive)
+    fast, reference = RecurrentScan.apply(*args), reference_scan(*args)
+    for a, b in zip(fast, reference):
+        torch.testing.assert_close(a, b)
+    weights = [torch.randn_like(t) for t in fast]
+    grads = [torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights, out)), inputs) for out in (fast, reference)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("cls,kwargs", MODULES)
+def test_torch_func_and_second_derivatives(cls: type, kwargs: dict) -> None:
+    """torch.func's transforms run the recurrence in autograd's ops (the hand-written Function has no functorch
+    rules: they failed); a second derivative through the Function is refused in one line (its gradients that pass
+    the layer came back None, silently)."""
+    torch.manual_seed(0)
+    layer = bayesify.convert(_make(cls, kwargs, 2, True, True, True), components=K, task="regression")
+    _randomise(layer)
+    x = torch.randn(B, T, F_IN, dtype=DT, requires_grad=True)
+    with bayesify.mode(layer, component=1, noise=False):
+        expected = torch.autograd.grad(layer(x)[0].pow(2).sum(), x)[0]
+        torch.testing.assert_close(torch.func.grad(lambda v: layer(v)[0].pow(2).sum())(x.detach()), expected)
+        hessian = torch.func.hessian(lambda v: layer(v)[0].pow(2).sum())(x.detach()[:1, :2])  # grad of grad
+        assert hessian.shape == (1, 2, F_IN, 1, 2, F_IN) and torch.isfinite(hessian).all()
+        with pytest.raises(RuntimeError, match="cannot be differentiated again .*torch.func"):
+            torch.autograd.grad(layer(x)[0].pow(2).sum(), x, create_graph=True)
 
 
 def test_dropout_between_layers_only_in_training() -> None:

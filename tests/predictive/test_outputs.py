@@ -355,3 +355,41 @@ def test_a_contrastive_models_similarity_matrices_are_each_members_own_pairs() -
             merged = bayesify.merge(model, component=k).eval()(input_ids=ids, pixel_values=pixels)
             torch.testing.assert_close(members.logits_per_image[k], merged.logits_per_image, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(members.logits_per_text[k], merged.logits_per_text, rtol=1e-4, atol=1e-5)
+
+
+# ---- class outputs that are probabilities already (a final softmax) -------------------------------
+
+
+def _softmax_net(last: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3), last)
+    return bayesify.convert(net, task="classification", components=K, init="normal").eval()
+
+
+def test_a_classifier_ending_in_a_softmax_is_refused_not_softmaxed_again() -> None:
+    # its softmax of probabilities is another distribution: the mixture, its NLL and its uncertainty silently wrong
+    net = _softmax_net(nn.Softmax(-1))
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    for call in (
+        lambda: net(x),
+        lambda: net(x),  # (looked at again: the first refusal did not mark it looked at)
+        lambda: bayesify.uncertainty(net, x, noise=False),
+        lambda: bayesify.evaluation.evaluate(net, torch.utils.data.TensorDataset(x, y)),
+    ):
+        with pytest.raises(ValueError, match=r"probabilities .*torch.log\(probs\)"):
+            call()
+
+
+def test_log_probabilities_pass_and_the_forward_looks_once() -> None:
+    net = _softmax_net(nn.LogSoftmax(-1))
+    x = torch.randn(5, 6)
+    members = bayesify.predict(net, x, noise=False)
+    torch.testing.assert_close(net(x).exp(), members.exp().mean(0))  # the members' mixture of probabilities
+    calls = []
+    original = bayesify.predictive.outputs.refuse_probabilities
+    bayesify.predictive.outputs.refuse_probabilities = lambda *a: calls.append(a) or original(*a)
+    try:
+        net(x), net(x)
+    finally:
+        bayesify.predictive.outputs.refuse_probabilities = original
+    assert calls == []  # looked at in the first mixture pass above only: no sync in every evaluation pass

@@ -427,6 +427,29 @@ def test_huggingface_loss_in_evaluation_is_the_models_own_or_refused() -> None:
         ctc(torch.randn(2, 400), labels=torch.randint(1, 12, (2, 3)))
 
 
+def test_a_huggingface_loss_of_other_outputs_or_inputs_is_refused_not_dropped() -> None:
+    """A loss the model computes from outputs other than ``logits`` (a pre-training head's) or from no ``labels``
+    (CLIP's ``return_loss``) came back as None in evaluation, silently."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    bert = transformers.BertForPreTraining(transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))  # fmt: skip
+    ids = torch.randint(0, 50, (3, 6))
+    clip = transformers.CLIPModel(transformers.CLIPConfig(
+        text_config=dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                           patch_size=8), projection_dim=8))  # fmt: skip
+    for model, inputs, name in (
+        (bert, dict(input_ids=ids, labels=ids, next_sentence_label=torch.tensor([0, 1, 1])), "BertForPreTraining"),
+        (clip, dict(input_ids=ids, pixel_values=torch.randn(3, 3, 16, 16), return_loss=True), "CLIPModel"),
+    ):
+        bayesify.convert(model, components=K).eval()
+        with torch.no_grad(), pytest.raises(ValueError, match=f"cannot recompute {name}'s loss from the mixture"):
+            model(**inputs)
+        with torch.no_grad():  # without what the loss is computed from, the outputs as before
+            model(**{k: v for k, v in inputs.items() if k not in ("labels", "next_sentence_label", "return_loss")})
+
+
 def _bert_classifier(transformers, **config):
     return transformers.BertForSequenceClassification(transformers.BertConfig(
         vocab_size=60, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
