@@ -423,6 +423,14 @@ def _check_not_distributed(model: nn.Module) -> None:
             "it was made: the factors convert adds would never be averaged across the processes (each rank would train "
             "its own posterior); convert first, then wrap: DistributedDataParallel(bayesify.convert(model))."
         )
+    wrapper = next((name for name, m in model.named_modules() if isinstance(m, nn.DataParallel)), None)
+    if wrapper is not None:
+        where = "convert() was given" if wrapper == "" else f"{type(model).__name__} holds ({wrapper!r})"
+        raise ValueError(
+            f"{where} an nn.DataParallel wrapper, whose replicas of the model run in threads at once and would share "
+            "one routing of the pass; convert the model itself (bayesify.convert(wrapper.module)) and, for several "
+            "GPUs, wrap it in DistributedDataParallel (one process per GPU)."
+        )
     if is_sharded(model):
         raise ValueError(
             f"{type(model).__name__} is sharded (FSDP2's fully_shard), whose units took the parameters when they were "

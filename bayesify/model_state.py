@@ -146,6 +146,12 @@ class ModelState:
                 "(x,)) or torch.onnx.export(model, (x,), dynamo=True), or trace one member as a plain network: "
                 "bayesify.merge(model, component=k)."
             )
+        if root.__dict__.get("_is_replica", False):  # (set by nn.Module._replicate_for_data_parallel)
+            raise RuntimeError(
+                f"nn.DataParallel made replicas of the converted {type(root).__name__} on several devices, which run in "
+                "threads at once and would share its one routing of the pass (each replica's rows routed as another's); "
+                "use DistributedDataParallel (one process per GPU: torchrun), or one device."
+            )
         args, kwargs = self.router.begin(root, args, kwargs, self.task)
         state = self.router.state
         # a pass whose members are tiled reads each output by its name (a Hugging Face model asked for a tuple is

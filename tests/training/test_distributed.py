@@ -111,3 +111,23 @@ def test_a_model_wrapped_for_data_parallelism_is_refused_naming_the_order(tmp_pa
     assert "convert first, then wrap: DistributedDataParallel(bayesify.convert(model))" in lines[0]
     assert "Sequential holds ('0') a DistributedDataParallel wrapper" in lines[1]
     assert "convert first, then shard: bayesify.training.shard(bayesify.convert(model))" in lines[2]
+
+
+def test_nn_data_parallel_is_refused_where_its_replicas_would_share_one_routing():
+    """nn.DataParallel on several GPUs replicates the model every step and runs the replicas in threads at once: the
+    replicas of a converted root share its one routing of the pass, and a converted DataParallel's replicas see the
+    tiled batch cut in pieces (each piece routed as the whole), silently. The replication is what the test makes
+    (no GPUs here): the refusal is in the converted root's pass, and in convert() for a wrapped model."""
+    from torch import nn
+
+    import bayesify
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with pytest.raises(ValueError, match=r"an nn.DataParallel wrapper.*bayesify.convert\(wrapper.module\)"):
+        bayesify.convert(nn.DataParallel(net), task="classification")
+    model = bayesify.convert(net, task="classification")
+    x = torch.randn(5, 4)
+    nn.DataParallel(model)(x)  # no GPUs (or one): no replicas, the model itself runs
+    replica = model._replicate_for_data_parallel()
+    with pytest.raises(RuntimeError, match="nn.DataParallel made replicas .*DistributedDataParallel"):
+        replica(x)
