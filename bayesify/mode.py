@@ -13,6 +13,7 @@ from bayesify._router import RouteSpec
 from bayesify.inspection import inside
 from bayesify.model_state import ModelState, find_root, is_root, model_state, split_output
 from bayesify.options import Route, parse_option
+from bayesify.predictive.libraries import said_of_model
 from bayesify.predictive.outputs import check_rows
 from bayesify.predictive.tasks import Task, check_class_axis, resolve_task
 
@@ -51,7 +52,8 @@ def mode(
         >>> with bayesify.mode(model, route="tile", noise=False):
         ...     members = model(x)            # [K*B, ...]: the K posterior-mean members
     """
-    router = _one_model(model, "bayesify.mode").router
+    state = _one_model(model, "bayesify.mode")
+    router = state.router
     if component is not None and route is None:
         route = Route.COMPONENT
     route = None if route is None else parse_option(route, Route, "route")
@@ -67,6 +69,8 @@ def mode(
         raise TypeError(f"noise={noise!r} must be True, False or None (the model's default).")
     check_class_axis(task, class_axis)
     parsed = None if task is None and class_axis is None else resolve_task(task or "classification", class_axis=class_axis)
+    if parsed is not None:  # said of a Hugging Face model as a whole: its logits' task, its loss still recomputed
+        parsed = said_of_model(parsed, state.task)
     router.overrides.append(RouteSpec(route, noise, samples, parsed, component))
     try:
         yield

@@ -498,6 +498,14 @@ def test_a_task_said_of_a_hugging_face_classifier_keeps_its_loss_recomputed_from
             out = model(input_ids=ids, labels=labels)
     mixture = torch.stack([member.logits for member in _members_by_hand(model, ids)]).softmax(-1).mean(0)
     torch.testing.assert_close(out.loss, F.nll_loss(mixture.log(), labels))
+    # said at evaluation time (mode's task=) of a model converted with its own: the same (it averaged the members'
+    # losses, with a warning)
+    stated = bayesify.convert(_bert_classifier(transformers, num_labels=3), components=K).eval()
+    stated.load_state_dict(model.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad(), bayesify.mode(stated, task="classification"):
+            torch.testing.assert_close(stated(input_ids=ids, labels=labels).loss, out.loss)
     assert bayesify.convert(model, task="classification") is model  # the same task said again: as it is
     members = bayesify.convert(_bert_classifier(transformers, num_labels=3), components=K, task="members").eval()
     with torch.no_grad():
