@@ -44,6 +44,12 @@ def _members_fixed(draw: Draw) -> bool:
     )
 
 
+def _left_out(offset: Tensor | None, used: bool) -> Tensor | None:
+    """``offset``, or where the call leaves the bias offsets out, zero times it: in the graph still, so that every
+    parameter takes a gradient (DistributedDataParallel waits for each), a zero one."""
+    return offset if used or offset is None else offset * 0
+
+
 def _pick(table: Tensor, components: tuple[int, ...]) -> Tensor:
     """Rows ``components`` of a per-component table: a view when they are consecutive (the usual 0..K-1,
     or one fixed component), else a gathered copy."""
@@ -153,7 +159,8 @@ class Rank1Affine(Rank1Layer):
             )
         weight, bias = self._parameters["weight"], self._parameters.get("bias")
         s, r = self.rank1_location("rank1_s", component), self.rank1_location("rank1_r", component)
-        delta = self.rank1_location("rank1_bias", component)
+        # (the code that uses its weight gives a bias of its own: the offsets are left out of every member)
+        delta = None if self.rank1_state.other_bias else self.rank1_location("rank1_bias", component)
         if self.rank1_options.perturbation is Perturbation.ADDITIVE:
             shift = self.rank1_constant_response(weight, s) + r
             if bias is None:
@@ -215,6 +222,7 @@ class Rank1Affine(Rank1Layer):
         core_adds_bias: bool,
         fold: Fold | None = None,
         known: KnownMap | None = None,
+        offsets: bool = True,
     ) -> Tensor:
         batch_axis, channel_axis = self.rank1_axes(x)
         # (the factors by their dict: every attribute read of a converted layer goes through its __getattr__, which
@@ -238,9 +246,9 @@ class Rank1Affine(Rank1Layer):
             # evaluation at the posterior means: K folded weights, no pass over the activations. Only where
             # folding pays by the byte count: elsewhere K convolutions of B rows each run slower than the
             # per-row path's one of K*B rows (measured on the CPU: ResNet-18 at 32 px 1.37x vs 1.12x det)
-            return self._rank1_members_folded(x, draw, fold, bias, batch_axis, channel_axis)
+            return self._rank1_members_folded(x, draw, fold, bias, batch_axis, channel_axis, offsets)
         if folds:
-            offset = draw.gather_blocks("rank1_bias")
+            offset = _left_out(draw.gather_blocks("rank1_bias"), offsets)
             if bias is not None:  # one row per block (a bias given by the caller, e.g. SwinV2's q/k/v biases)
                 offset = bias.expand(len(draw.blocks), -1) if offset is None else offset + bias
             s, r = draw.sample_blocks(s_factor, r_factor)
@@ -250,7 +258,7 @@ class Rank1Affine(Rank1Layer):
             )  # fmt: skip
         # the per-row values in the shape that broadcasts against the activations, where the draw ahead has them so
         like = None if batch_axis is None or additive or core_adds_bias else (x.dim(), batch_axis, channel_axis)
-        offset = draw.gather("rank1_bias", like)
+        offset = _left_out(draw.gather("rank1_bias", like), offsets)
         if known is None or additive or core_adds_bias:
             offset = with_bias(offset, None if core_adds_bias else bias, channel_axis)
             bias = bias if core_adds_bias else None
@@ -308,7 +316,7 @@ class Rank1Affine(Rank1Layer):
             )
 
     def _rank1_members_folded(
-        self, x: Tensor, draw: Draw, fold: Fold, bias: Tensor | None, batch_axis: int, channel_axis: int
+        self, x: Tensor, draw: Draw, fold: Fold, bias: Tensor | None, batch_axis: int, channel_axis: int, offsets: bool
     ) -> Tensor:
         """Evaluation at the posterior means (no noise, no gradients, the route fixes each block's component):
         every member is the original map with its own folded weight, the K weights folded in one op per call.
@@ -316,12 +324,12 @@ class Rank1Affine(Rank1Layer):
         ``load_state_dict(assign=True)``) is what the next call folds."""
         weights = fold_weights(fold.weight, self.rank1_r.loc, self.rank1_s.loc, groups=fold.groups, transposed=fold.transposed)
         each = weights.unbind(0)
-        offsets = self.rank1_bias  # [K, out] per component: the bias offset, plus the bias the caller gave
+        added = _left_out(self.rank1_bias, offsets)  # [K, out] per component: the bias offset, plus the bias given
         if bias is not None:
-            offsets = bias.expand(len(weights), -1) if offsets is None else offsets + bias
+            added = bias.expand(len(weights), -1) if added is None else added + bias
         components = draw.fixed_components
         picked = each if list(components) == list(range(len(each))) and not fold.dense else _pick(weights, components)
-        return run_blocks(x, draw.blocks, picked, None if offsets is None else _pick(offsets, components),
+        return run_blocks(x, draw.blocks, picked, None if added is None else _pick(added, components),
                           fold.apply, batch_axis=batch_axis, channel_axis=channel_axis, transposed=fold.transposed,
                           dense=fold.dense)  # fmt: skip
 
@@ -382,9 +390,16 @@ class Rank1Affine(Rank1Layer):
             self.rank1_state.intercepted_by = getattr(func, "__name__", "function")
             dense = func is F.linear and not rest and not rest_kwargs
             fold = Fold(w, lambda v, weight, b: func(v, weight, b, *rest, **rest_kwargs), self._rank1_groups(), dense=dense)
+            # the bias offsets are the layer's own bias's: where the caller gives another (torchvision's SwinV2 zeroes
+            # the key third of a copy of it; or none), they are left out, so that a member is the original code run
+            # on W o (r s^T) and the bias as given, which merge folds exactly (the offsets take a zero gradient and
+            # stay where they are: 0)
+            offsets = bias is self._parameters.get("bias")
+            self.rank1_state.other_bias = not offsets
             with torch._C.DisableTorchFunctionSubclass():
                 return self._rank1_apply(
-                    x, lambda v: func(v, w, None, *rest, **rest_kwargs), bias, core_adds_bias=False, fold=fold
-                )
+                    x, lambda v: func(v, w, None, *rest, **rest_kwargs), bias, core_adds_bias=False, fold=fold,
+                    offsets=offsets,
+                )  # fmt: skip
 
         return handle

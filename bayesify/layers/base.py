@@ -112,6 +112,7 @@ class LayerState:
     cache: Any = None  # the draws of the forward pass in flight, for the layer's further calls in it (recurrent layers)
     bypassed_by: set[str] = field(default_factory=set)  # functions that used the weight directly (summary)
     intercepted_by: str | None = None  # the last function whose use of the weight was routed here
+    other_bias: bool = False  # ... with a bias other than its own (its bias offsets left out: affine.py, merge)
     batch_independent: bool = False  # it ran on an input that does not depend on the batch (summary)
     batch_dim_hint: str = ""  # ... whose rows the model's input has at another dimension than batch_dim (summary)
     # where the batch lies in its inputs when its place in the model says (a Linear of torch's time-major transformer

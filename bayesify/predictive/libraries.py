@@ -236,6 +236,8 @@ def _huggingface_task(model: nn.Module) -> Task | None:
         logits = Regression()
     elif kind.endswith(_NUM_LABELS_HEADS):  # single-label: one logit per label, config.num_labels of them
         logits = Classification(-1, getattr(config, "num_labels", None))
+    elif kind.endswith("ForSemanticSegmentation"):  # a map of logits per pixel, [B, num_labels, H, W]: classes at 1
+        logits = Classification(1, getattr(config, "num_labels", None))
     else:
         logits = Classification(-1)  # causal / masked LM (logits over the vocabulary, which may be padded)
     if kind.endswith("ForQuestionAnswering"):  # a distribution over the positions where the answer starts and ends

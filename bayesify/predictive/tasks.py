@@ -497,6 +497,20 @@ def check_class_axis(task: object, class_axis: int | None) -> None:
         )
 
 
+def _with_class_axis(stated: Task, class_axis: int) -> Task:
+    """The task a model states with ``class_axis`` for its classes (each classified output's, in a mapping); refused
+    where it states no classification (the axis would be ignored, silently)."""
+    if isinstance(stated, Classification):
+        return dataclasses.replace(stated, class_axis=class_axis)
+    if isinstance(stated, TaskMap) and any(isinstance(t, Classification) for _, t in stated.tasks):
+        tasks = tuple((k, dataclasses.replace(t, class_axis=class_axis) if isinstance(t, Classification) else t) for k, t in stated.tasks)
+        return dataclasses.replace(stated, tasks=tasks)
+    raise ValueError(
+        f"class_axis={class_axis!r} sets the class axis of a classifier's output, and the model states {stated}, "
+        "which has none: drop class_axis, or say the task (task='classification', class_axis=...)."
+    )
+
+
 def resolve_task(
     task: object = None,
     *,
@@ -519,8 +533,8 @@ def resolve_task(
     """
     said = parse_task("auto" if task is None else task, class_axis=class_axis, gaussian_variance=gaussian_variance)
     if isinstance(said, Auto) and stated is not None and not isinstance(stated, Auto):
-        if class_axis is not None and isinstance(stated, Classification):  # the caller's axis, the model's classes
-            stated = dataclasses.replace(stated, class_axis=class_axis)
+        if class_axis is not None:  # the caller's axis, the model's classes
+            stated = _with_class_axis(stated, class_axis)
         said = stated
     if isinstance(said, Auto) and needed_by is not None:
         raise ValueError(

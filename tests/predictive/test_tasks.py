@@ -576,3 +576,24 @@ def test_return_dict_false_gives_the_named_outputs_mixture_as_a_tuple() -> None:
     model.train()
     out = model(input_ids=ids, labels=labels, return_dict=False)
     assert isinstance(out, tuple) and out[0].dim() == 0 and out[1].shape == (5, 3)
+
+
+def test_a_huggingface_segmentation_map_is_a_softmax_over_its_classes_not_its_width() -> None:
+    """``*ForSemanticSegmentation`` logits are ``[B, num_labels, H, W]``: read as a classifier's, the mixture was a
+    softmax across the map's width, silently; and ``class_axis`` said with the inferred task was ignored."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.SegformerConfig(depths=[1] * 4, hidden_sizes=[8, 16, 16, 16], num_attention_heads=[1, 1, 1, 1],
+                                          decoder_hidden_size=16, num_labels=5)  # fmt: skip
+    model = bayesify.convert(transformers.SegformerForSemanticSegmentation(config), components=K, init="normal").eval()
+    assert str(bayesify.summary(model)).splitlines()[2] == "output: {'logits': classification (class axis 1)}, other outputs averaged"
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        members = bayesify.predict(model, pixel_values=x).logits  # [K, B, 5, 8, 8]
+        mixture = torch.logsumexp(members.log_softmax(2), 0) - math.log(K)
+        torch.testing.assert_close(model(pixel_values=x).logits, mixture)
+        assert bayesify.uncertainty(model, pixel_values=x).mutual_information.shape == (2, 8, 8)
+    bert = bayesify.convert(_bert_classifier(transformers, num_labels=3), components=K, class_axis=1)
+    assert "class axis 1" in str(bayesify.summary(bert)).splitlines()[2]  # said with the inferred task: taken
+    with pytest.raises(ValueError, match="class_axis=1 sets the class axis of a classifier's output"):
+        bayesify.convert(_bert_classifier(transformers, num_labels=1, problem_type="regression"), class_axis=1)
