@@ -26,6 +26,8 @@ from typing import Callable, ContextManager
 import torch
 from torch import Tensor
 
+from bayesify._autograd import plain_ops
+
 __all__ = ["recomputing"]
 
 
@@ -84,7 +86,7 @@ def recomputing(product: Tensor, fn: Callable[..., Tensor], *inputs: Tensor) -> 
         not torch.is_grad_enabled()
         or torch.compiler.is_compiling()
         or torch.jit.is_tracing()
-        or torch._C._are_functorch_transforms_active()  # (torch.func: a batched tensor has no storage to key on)
+        or plain_ops()  # (torch.func: a batched tensor has no storage to key on; forward AD: a dual tensor)
         or not _plain(product)
         or not torch._C._autograd._saved_tensors_hooks_is_enabled()
         or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None

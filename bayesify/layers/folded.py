@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from bayesify._autograd import plain_ops
 from bayesify.mixture import row_shape
 
 __all__ = ["dense_blocks", "fold_weight", "fold_weights", "rank1_folded", "run_blocks"]
@@ -51,9 +52,8 @@ def fold_weights(weight: Tensor, r: Tensor, s: Tensor, *, groups: int = 1, trans
     if (
         torch.is_grad_enabled()
         and (weight.requires_grad or rows.requires_grad or columns.requires_grad)
-        and not torch._C._are_functorch_transforms_active()  # (torch.func: the node has no vmap rule; plain ops)
-        and not torch.compiler.is_compiling()  # (a graph: AOTAutograd derives the backward; a traced Function kept
-    ):  # the forward graph out of AOTAutograd's cache, recompiled in every process)
+        and not plain_ops()
+    ):
         return _FoldWeights.apply(weight, rows, columns, groups)
     return _fold(weight, rows, columns, groups)
 
@@ -202,8 +202,7 @@ def run_blocks(
             outputs.append(apply(part, w, b))
     if len(outputs) == 1:
         return outputs[0]
-    traced = torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-    if torch.is_grad_enabled() and not traced and any(o.requires_grad for o in outputs):
+    if torch.is_grad_enabled() and not plain_ops() and any(o.requires_grad for o in outputs):
         return _Concatenate.apply(batch_axis, *outputs)
     return torch.cat(outputs, batch_axis)
 

@@ -37,8 +37,9 @@ import torch
 from torch import Tensor
 
 from bayesify import kernels
-from bayesify.mixture import row_shape
+from bayesify._autograd import plain_ops
 from bayesify.layers._recompute import recomputing
+from bayesify.mixture import row_shape
 
 __all__ = ["KnownMap", "broadcast_rows", "rank1_affine", "with_bias"]
 
@@ -323,14 +324,9 @@ def with_bias(offset: Tensor | None, bias: Tensor | None, channel_axis: int) -> 
 
 
 def _one_node(x: Tensor, s: Tensor, r: Tensor, offset: Tensor | None, bias: Tensor | None, weight: Tensor) -> bool:
-    """Whether the per-row op runs as :class:`_Rank1Map`: gradients wanted, outside a traced graph (compile and
-    export fuse the plain ops their own way) and outside functorch's transforms (the node has no vmap rule)."""
-    return (
-        _grad_wanted(x, s, r, offset, bias, weight)
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-        and not torch._C._are_functorch_transforms_active()
-    )
+    """Whether the per-row op runs as :class:`_Rank1Map`: gradients wanted, and not where the plain ops run
+    (:func:`~bayesify._autograd.plain_ops`; compile and export fuse them their own way) or in a jit trace."""
+    return _grad_wanted(x, s, r, offset, bias, weight) and not plain_ops() and not torch.jit.is_tracing()
 
 
 def _rank1_known(

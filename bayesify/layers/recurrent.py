@@ -33,7 +33,6 @@ References:
 from __future__ import annotations
 
 import contextlib
-
 from functools import partial
 from typing import Any
 
@@ -43,6 +42,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten
 
+from bayesify._autograd import plain_ops
 from bayesify.config import LayerOptions
 from bayesify.layers._scan import RecurrentScan, reference_scan, row_positions
 from bayesify.layers.base import Rank1Layer
@@ -240,8 +240,9 @@ class _Rank1Recurrent(Rank1Layer):
         tensors = [t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != dtype else t for t in tensors]
         device = xi.device.type
         autocast = device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
-        # (torch.func's transforms run the recurrence in autograd's ops: the Function has no functorch rules)
-        scan = reference_scan if torch._C._are_functorch_transforms_active() else RecurrentScan.apply
+        # (torch.func's transforms and forward-mode AD run the recurrence in autograd's ops: the Function has no
+        # rules for them; a traced graph keeps the Function, whose one node per layer compiles faster than a loop)
+        scan = reference_scan if plain_ops() and not torch.compiler.is_compiling() else RecurrentScan.apply
         with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
             return scan(*tensors, mode, batch_sizes, reverse, additive)
 

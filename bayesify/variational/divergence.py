@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from bayesify._autograd import plain_ops
 from bayesify.options import Posterior, Prior, check_pair
 from bayesify.variational.distributions import scale as positive_scale
 
@@ -211,8 +212,7 @@ class _NormalKLSum(torch.autograd.Function):
 
 def normal_kl_sum(loc: Tensor, raw: Tensor, prior_mean: float, prior_std: float) -> Tensor:
     """``sum KL(N(loc, softplus(raw) + 1e-7) || N(prior_mean, prior_std))`` (see :class:`_NormalKLSum`)."""
-    if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():  # (torch.func: the node has no
-        # vmap rule; a graph: AOTAutograd derives the backward, and a traced Function keeps it out of its cache)
+    if plain_ops():
         return kl_normal_normal(loc, positive_scale(raw), float(prior_mean), float(prior_std)).sum()
     return _NormalKLSum.apply(loc, raw, float(prior_mean), float(prior_std))
 

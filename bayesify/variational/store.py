@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bayesify._autograd import plain_ops
 from bayesify.mixture import block_rows, component_rows, row_shape
 from bayesify.options import Posterior
 from bayesify.variational import distributions
@@ -146,10 +147,9 @@ class TableGroup:
             return first
         if (
             sharded
-            or torch.compiler.is_compiling()
+            or plain_ops()
             or not any(t.requires_grad for t in tables)
             or not torch.is_grad_enabled()
-            or torch._C._are_functorch_transforms_active()  # (torch.func: the node has no vmap rule)
         ):
             return torch.cat(tables, 1)  # (a compiled graph fuses the cat; nothing to hand back without gradients)
         value = _Join.apply(self.sizes, *tables)
@@ -165,8 +165,7 @@ class TableGroup:
         tables' values of that pass only: an optimizer step, a cast, ``load_state_dict`` or a new ``.data``
         makes it join anew."""
         kept = self.__dict__.get("_pass", {}).get(name)
-        fresh = kept is not None and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        fresh = fresh and not torch._C._are_functorch_transforms_active()
+        fresh = kept is not None and torch.is_grad_enabled() and not plain_ops()
         if fresh and kept[0] == _identity(self.tables(name)):
             return kept[1]
         return self.joined(name)
