@@ -97,8 +97,31 @@ def kl_loss(model: nn.Module, num_train: int, *, step: int | None = None, warmup
     """
     num_train = _count("num_train", num_train, 1, "the number of training examples")
     warmup_steps = _count("warmup_steps", warmup_steps, 0, "steps of the warm-up; 0: none")
+    if warmup_steps and step is None:  # (the weight would be 1 from the first step: the warm-up ignored, silently)
+        raise ValueError(f"warmup_steps={warmup_steps} raises the KL's weight over the steps: pass step= too (the 0-based optimizer step).")
     weight = 1.0 if step is None else kl_scale(_count("step", step, 0, "the 0-based optimizer step"), warmup_steps)
-    return kl_divergence(model) * (weight / num_train)
+    kl = kl_divergence(model)
+    if not torch.compiler.is_compiling():
+        _warn_fewer_than_a_batch(model, num_train)
+    return kl * (weight / num_train)
+
+
+def _warn_fewer_than_a_batch(model: nn.Module, num_train: int) -> None:
+    """Warn, once per model, where ``num_train`` is fewer than the examples of the last forward pass: the number of
+    batches given for the number of examples (``len(loader)`` for ``len(train_set)``) weighs the KL that many times
+    too much."""
+    layer = next(m for m in model.modules() if isinstance(m, ConvertedLayer))
+    state = layer.rank1_state.model
+    passed = state.router.state
+    if passed is None or passed.batch <= num_train or "num_train" in state.warned:
+        return
+    state.warned.add("num_train")
+    warnings.warn(
+        f"kl_loss(num_train={num_train}) is fewer than the {passed.batch} examples of the last forward pass: it is the "
+        "number of training examples (len(train_set)), not of batches (len(loader)), and as given the KL weighs "
+        f"{passed.batch / num_train:.3g}x or more what it should.",
+        stacklevel=3,
+    )
 
 
 def _count(name: str, value: object, least: int, what: str) -> int:

@@ -43,6 +43,7 @@ def test_the_weight_rises_linearly_over_the_warm_up_then_stays_one() -> None:
     ({"num_train": 10, "warmup_steps": -1}, "warmup_steps=-1"),
     ({"num_train": 10, "step": -5, "warmup_steps": 10}, r"step=-5 must be the 0-based optimizer step"),  # (weight -0.4)
     ({"num_train": torch.tensor(2.5)}, r"num_train=tensor\(2.5000\)"),
+    ({"num_train": 10, "warmup_steps": 100}, r"warmup_steps=100 raises .*pass step="),  # (it was ignored: weight 1)
 ])  # fmt: skip
 def test_bad_arguments_name_the_value(kwargs: dict, message: str) -> None:
     model = bayesify.convert(_net(), task="classification")
@@ -92,3 +93,17 @@ def test_the_recipe_learns_300_examples_as_well_as_the_deterministic_loop() -> N
             results[name] = F.cross_entropy(model(x[300:800]), y[300:800]).item()
     assert largest < 0.3, largest  # nats per example; the cross-entropy starts at ~2.3
     assert results["rank-1"] < 1.1 * results["deterministic"], results
+
+
+def test_a_count_of_batches_for_the_examples_is_warned_of_once() -> None:
+    # kl_loss(model, len(loader)) right after a batch of 64: the KL weighed 64x too much, silently
+    model = bayesify.convert(_net(), task="classification")
+    model(torch.randn(64, 1, 8, 8))
+    with pytest.warns(UserWarning, match=r"num_train=10\) is fewer than the 64 examples .*len\(train_set\)"):
+        bayesify.kl_loss(model, 10)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bayesify.kl_loss(model, 10)  # once per model
+        bayesify.kl_loss(bayesify.convert(_net(), task="classification"), 10)  # no pass yet: nothing to compare
