@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 from torch import nn
 
 from bayesify.layers.base import ConvertedLayer
-from bayesify.model_state import model_state
+from bayesify.model_state import hands_on_root_output, model_state
 from bayesify.predictive.libraries import infer_task
 from bayesify.predictive.tasks import Task, resolve_task
 
@@ -64,9 +64,24 @@ def num_components(model: nn.Module) -> int:
 def model_task(model: nn.Module, task: object = None, *, needed_by: str | None = None) -> Task:
     """What ``model``'s output means: ``task`` if given, else what the converted model was told (or found) at
     conversion, else what a plain model states (timm / torchvision / Hugging Face; see
-    :func:`~bayesify.predictive.tasks.resolve_task`, which decides, and raises naming ``needed_by``'s ``task=``)."""
+    :func:`~bayesify.predictive.tasks.resolve_task`, which decides, and raises naming ``needed_by``'s ``task=``).
+    A module holding a converted part that it is not a known wrapper of (its own forward around the part) states the
+    part's, which holds where the module returns the part's output as it is: :func:`check_handed_on` says."""
     stated = model_state(model).current_task() if is_converted(model) else infer_task(model)
     return resolve_task(task, stated=stated, needed_by=needed_by)
+
+
+def check_handed_on(model: nn.Module, task: object, needed_by: str) -> None:
+    """After ``predict(model, ...)`` without a task said: refuse where ``model`` holds a converted part and returned
+    something else than that part's output (a head of its own on a backbone converted with ``task="regression"``),
+    whose task the part's says nothing of (its class logits were decomposed as a regression, silently)."""
+    if task is not None or not is_converted(model) or hands_on_root_output(model) or model_state(model).handed_on:
+        return
+    raise ValueError(
+        f"{needed_by} does not know what the output of {type(model).__name__} means: the task of the converted part it "
+        f"holds ({model_state(model).current_task()}) is that part's output's, and {type(model).__name__} returns "
+        "another; pass task= to it ('classification', 'binary', 'multilabel', 'regression' or 'gaussian')."
+    )
 
 
 def inside(name: str, prefixes: Iterable[str]) -> bool:

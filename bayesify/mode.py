@@ -117,8 +117,18 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
                     with mode(model, component=k, noise=noise):
                         outputs.append(model(*args, **kwargs))
             return outputs
-        with mode(model, Route.TILE, samples=samples, noise=noise):
-            output = model(*args, **kwargs)
+        root = find_root(model)
+        seen: list = []
+        # (a module around the converted model: does it return the root's output as it is? what the root's task says
+        # of it holds only then; the hook runs after the root's own, which hands back what the call returns)
+        handle = None if root is model else root.register_forward_hook(lambda m, a, out: seen.append(out))
+        try:
+            with mode(model, Route.TILE, samples=samples, noise=noise):
+                output = model(*args, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        state.handed_on = handle is None or any(out is output for out in seen)
     state = router.state  # (the pass's, kept after it)
     check_rows(model, output, members=state.members, batch=state.batch, axis=state.axis)
     return split_output(model, output)

@@ -84,6 +84,9 @@ class ModelState:
     report: ConversionReport = field(default_factory=ConversionReport)
     handles: list[RemovableHandle] = field(default_factory=list)  # the hooks attach() installed on the root
     warned: set[str] = field(default_factory=set)  # the warnings given once per model (their kinds)
+    # whether the last predict() through a module holding this model handed this model's output on as it is (the
+    # module's output then means what this model's does: inspection.check_handed_on)
+    handed_on: bool = True
     as_tuple: bool = False  # the pass in flight returns its named outputs as the tuple the call asked for
     checked_layers: tuple[int, ...] = ()  # (modules, converted layers' ids) when kl_divergence last looked for added ones
 
@@ -235,6 +238,23 @@ def find_root(model: nn.Module) -> nn.Module:
     raise ValueError(
         f"{type(model).__name__} is not a converted model (no rank-1 routing found); call bayesify.convert(model) first."
     )
+
+
+def hands_on_root_output(model: nn.Module) -> bool:
+    """Whether ``model``'s output is its converted root's, as the root returns it: the root itself, or a wrapper
+    whose forward hands the call on (DDP, ``nn.DataParallel``, ``AveragedModel``, ``torch.compile``'s). A module of
+    one's own that holds a converted part (a backbone converted on its own, under a plain head) is not: what the
+    part's output means says nothing of the whole's."""
+    from torch.optim.swa_utils import AveragedModel
+
+    while not is_root(model):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel, AveragedModel)):
+            model = model.module
+        elif isinstance(model._modules.get("_orig_mod"), nn.Module):  # (torch.compile's OptimizedModule)
+            model = model._modules["_orig_mod"]
+        else:
+            return False
+    return True
 
 
 def model_state(model: nn.Module) -> ModelState:

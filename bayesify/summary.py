@@ -15,9 +15,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from bayesify._weight_uses import WeightUses, watched_parameters
 from bayesify.convert import added_after_conversion, default_mapping
-from bayesify.inspection import rank1_layers
+from bayesify.inspection import model_task, rank1_layers
 from bayesify.mode import mode
-from bayesify.model_state import Skip, model_state
+from bayesify.model_state import Skip, find_root, hands_on_root_output, model_state
 
 __all__ = ["Summary", "summary"]
 
@@ -98,7 +98,10 @@ def summary(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Summ
     generators (CPU and accelerators) are restored after it, and it makes no gradients.
     """
     state = model_state(model)
-    report = Summary(model=type(model).__name__, components=state.components, task=str(state.current_task()))
+    task = str(model_task(model))
+    if not hands_on_root_output(model):  # (a module of one's own around the converted part: its output may be another)
+        task += f" (the output of its converted part, {type(find_root(model)).__name__}; uncertainty / evaluate ask task= where the model returns another)"
+    report = Summary(model=type(model).__name__, components=state.components, task=task)
     added_ids = set()
     for name, layer in rank1_layers(model):
         added = list(layer.rank1_parameters())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bayesify.inspection import model_task
+from bayesify.inspection import check_handed_on, model_task
 from bayesify.mode import predict
 from bayesify.model_state import model_state
 from bayesify.predictive.decompositions import (
@@ -91,6 +91,7 @@ def uncertainty(
     resolved = model_task(model, task, needed_by="bayesify.uncertainty")
     kwargs = named_outputs(model_state(model).root or model, kwargs)[0]  # (read by name: a tuple's positions do not say which is which)
     members = predict(model, *inputs, samples=1 if noise is False else samples, noise=noise, **kwargs)
+    check_handed_on(model, task, "bayesify.uncertainty")
     leaf, key = selected_output(members, output, type(model_state(model).root or model).__name__, "bayesify.uncertainty")
     found = leaf_task(resolved, key, model)
     state = model_state(model).router.state  # where the pass took the batch, and its size (a member's output may

@@ -213,6 +213,46 @@ def test_a_backbone_converted_on_its_own_under_a_new_head_takes_the_whole_models
         unsaid(x)
 
 
+def test_a_plain_module_holding_a_converted_part_states_its_own_task_not_the_parts() -> None:
+    """A backbone converted on its own with task="regression", under a plain head that is never converted: the
+    module's class logits were decomposed as a regression (the part's task), silently. The part's task is its own
+    output's; the module states what it states (nothing: task= is asked), and wrappers that hand the call on (DDP,
+    DataParallel, torch.compile's, AveragedModel) state the root's."""
+    torch.manual_seed(0)
+    encoder = bayesify.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU()), task="regression")
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder, self.head = encoder, nn.Linear(16, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(x))
+
+    wrapper, x = Classifier().eval(), torch.randn(4, 8)
+    assert "regression (the output of its converted part, Sequential;" in str(bayesify.summary(wrapper)).splitlines()[2]
+    with pytest.raises(ValueError, match=r"bayesify.uncertainty does not know what the output of Classifier means: .*task="):
+        bayesify.uncertainty(wrapper, x)
+    with pytest.raises(ValueError, match=r"evaluate\(\) does not know what the output of Classifier means"):
+        bayesify.evaluation.evaluate(wrapper, torch.utils.data.TensorDataset(x, torch.randint(0, 10, (4,))))
+    said = bayesify.uncertainty(wrapper, x, task="classification", noise=False)
+    torch.testing.assert_close(said.probs, bayesify.predict(wrapper, x, noise=False).softmax(-1).mean(0))  # a mixture
+    model = bayesify.convert(nn.Sequential(nn.Linear(8, 3)), task="classification")
+    for wrapped in (nn.DataParallel(model), torch.optim.swa_utils.AveragedModel(model)):
+        assert bayesify.uncertainty(wrapped, x).probs.shape == (4, 3)
+    assert bayesify.uncertainty(encoder, x).mean.shape == (4, 16)  # the part itself: as said
+
+    class Adapter(nn.Module):  # a module around it that returns its output as it is: its task
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x.flatten(1))
+
+    assert bayesify.uncertainty(Adapter(), x[:, None]).probs.shape == (4, 3)
+
+
 def _member(model: nn.Module, x: torch.Tensor, k: int) -> torch.Tensor:
     with bayesify.mode(model, component=k, noise=False):
         return model(x)

@@ -28,7 +28,7 @@ from bayesify.evaluation.corruptions import (
 )
 from bayesify.evaluation.metrics import as_class_labels, compute_metrics, member_log_probs_from_logits, task_metrics
 from bayesify.evaluation.ood import ood_metrics_per_score, ood_scores, score_notes
-from bayesify.inspection import is_converted, model_task, num_components
+from bayesify.inspection import check_handed_on, is_converted, model_task, num_components
 from bayesify.mode import predict
 from bayesify.model_state import model_state
 from bayesify.predictive.libraries import padding_targets, predicts_next_token, with_decoder_inputs
@@ -379,7 +379,7 @@ def evaluate(
     _check_ignore_index(ignore_index)
     device = torch.device(device)
     k = num_components(model)
-    task = model_task(model, task, needed_by="evaluate()")
+    said, task = task, model_task(model, task, needed_by="evaluate()")
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)  # the same noise draws on every evaluation of the same weights
         with evaluation_mode(model), torch.no_grad():
@@ -387,6 +387,7 @@ def evaluate(
                 model, _loader(data, batch_size), samples, device, transform, None, None, output, task=task,
                 label_key=label_key,
             )  # fmt: skip
+        check_handed_on(model, said, "evaluate()")
         scored = leaf_task(task, key, model)
         detection = None
         if ood is not None:
