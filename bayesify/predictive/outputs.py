@@ -21,7 +21,15 @@ from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 from bayesify.mixture import split_members
 from bayesify.predictive.libraries import PAIRWISE_OUTPUTS, infer_task
 from bayesify.predictive.tasks import (
-    Auto, Binary, Classification, CustomTask, Gaussian, Members, Task, TaskMap, refuse_probabilities,
+    Auto,
+    Binary,
+    Classification,
+    CustomTask,
+    Gaussian,
+    Members,
+    Task,
+    TaskMap,
+    refuse_probabilities,
 )  # fmt: skip
 
 __all__ = [

@@ -436,12 +436,12 @@ def test_a_huggingface_loss_of_other_outputs_or_inputs_is_refused_not_dropped() 
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))  # fmt: skip
     ids = torch.randint(0, 50, (3, 6))
     clip = transformers.CLIPModel(transformers.CLIPConfig(
-        text_config=dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=16,
-                           patch_size=8), projection_dim=8))  # fmt: skip
+        text_config={"vocab_size": 50, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2},
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "image_size": 16, "patch_size": 8}, projection_dim=8))  # fmt: skip
     for model, inputs, name in (
-        (bert, dict(input_ids=ids, labels=ids, next_sentence_label=torch.tensor([0, 1, 1])), "BertForPreTraining"),
-        (clip, dict(input_ids=ids, pixel_values=torch.randn(3, 3, 16, 16), return_loss=True), "CLIPModel"),
+        (bert, {"input_ids": ids, "labels": ids, "next_sentence_label": torch.tensor([0, 1, 1])}, "BertForPreTraining"),
+        (clip, {"input_ids": ids, "pixel_values": torch.randn(3, 3, 16, 16), "return_loss": True}, "CLIPModel"),
     ):
         bayesify.convert(model, components=K).eval()
         with torch.no_grad(), pytest.raises(ValueError, match=f"cannot recompute {name}'s loss from the mixture"):
