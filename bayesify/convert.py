@@ -414,23 +414,20 @@ def _the_models_layer_options(model: nn.Module, made: LayerOptions, said: set[st
 def _check_not_distributed(model: nn.Module) -> None:
     """Refuse a model already wrapped for data parallelism: DistributedDataParallel and FSDP2's ``fully_shard`` take
     the parameters when they wrap, so the factors convert adds would never be reduced across the processes (each
-    rank would train a posterior of its own, silently)."""
-    wrapper = next((name for name, m in model.named_modules() if isinstance(m, nn.parallel.DistributedDataParallel)), None)
-    if wrapper is not None:
-        where = "convert() was given" if wrapper == "" else f"{type(model).__name__} holds ({wrapper!r})"
-        raise ValueError(
-            f"{where} a DistributedDataParallel wrapper, which took the model's parameters when "
-            "it was made: the factors convert adds would never be averaged across the processes (each rank would train "
-            "its own posterior); convert first, then wrap: DistributedDataParallel(bayesify.convert(model))."
-        )
-    wrapper = next((name for name, m in model.named_modules() if isinstance(m, nn.DataParallel)), None)
-    if wrapper is not None:
-        where = "convert() was given" if wrapper == "" else f"{type(model).__name__} holds ({wrapper!r})"
-        raise ValueError(
-            f"{where} an nn.DataParallel wrapper, whose replicas of the model run in threads at once and would share "
-            "one routing of the pass; convert the model itself (bayesify.convert(wrapper.module)) and, for several "
-            "GPUs, wrap it in DistributedDataParallel (one process per GPU)."
-        )
+    rank would train a posterior of its own, silently); ``nn.DataParallel``'s replicas run in threads at once."""
+    refusals = (
+        (nn.parallel.DistributedDataParallel, "a DistributedDataParallel wrapper, which took the model's parameters "
+         "when it was made: the factors convert adds would never be averaged across the processes (each rank would "
+         "train its own posterior); convert first, then wrap: DistributedDataParallel(bayesify.convert(model))."),
+        (nn.DataParallel, "an nn.DataParallel wrapper, whose replicas of the model run in threads at once and would "
+         "share one routing of the pass; convert the model itself (bayesify.convert(wrapper.module)) and, for several "
+         "GPUs, wrap it in DistributedDataParallel (one process per GPU)."),
+    )  # fmt: skip
+    for kind, why in refusals:
+        wrapper = next((name for name, m in model.named_modules() if isinstance(m, kind)), None)
+        if wrapper is not None:
+            where = "convert() was given" if wrapper == "" else f"{type(model).__name__} holds ({wrapper!r})"
+            raise ValueError(f"{where} {why}")
     if is_sharded(model):
         raise ValueError(
             f"{type(model).__name__} is sharded (FSDP2's fully_shard), whose units took the parameters when they were "
