@@ -11,7 +11,7 @@ from torch import nn
 
 from bayesify._router import RouteSpec
 from bayesify.inspection import inside
-from bayesify.model_state import ModelState, find_root, is_root, model_state, split_output
+from bayesify.model_state import ModelState, find_root, hands_on_root_output, is_root, model_state, split_output
 from bayesify.options import Route, parse_option
 from bayesify.predictive.libraries import said_of_model
 from bayesify.predictive.outputs import check_rows
@@ -121,7 +121,8 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
         seen: list = []
         # (a module around the converted model: does it return the root's output as it is? what the root's task says
         # of it holds only then; the hook runs after the root's own, which hands back what the call returns)
-        handle = None if root is model else root.register_forward_hook(lambda m, a, out: seen.append(out))
+        # (not on the root itself or a known wrapper, DDP or torch.compile's: a hook would recompile a compiled model)
+        handle = None if hands_on_root_output(model) else root.register_forward_hook(lambda m, a, out: seen.append(out))
         try:
             with mode(model, Route.TILE, samples=samples, noise=noise):
                 output = model(*args, **kwargs)
