@@ -119,9 +119,9 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
             return outputs
         root = find_root(model)
         seen: list = []
-        # (a module around the converted model: does it return the root's output as it is? what the root's task says
-        # of it holds only then; the hook runs after the root's own, which hands back what the call returns)
-        # (not on the root itself or a known wrapper, DDP or torch.compile's: a hook would recompile a compiled model)
+        # a module of one's own around the converted model: does it return the root's output as it is? (what the
+        # root's task says of it holds only then; the hook runs after the root's own.) Not watched on the root or a
+        # known wrapper (DDP, torch.compile's), whose output is the root's: a hook would recompile a compiled model
         handle = None if hands_on_root_output(model) else root.register_forward_hook(lambda m, a, out: seen.append(out))
         try:
             with mode(model, Route.TILE, samples=samples, noise=noise):

@@ -243,6 +243,8 @@ class ModelDraws:
         if key not in draws.joined:
             draws.joined[key] = group.joined(name)
         return draws.joined[key]
+
+
 class Draw(NamedTuple):
     """How one call of a layer is routed, and its values: the component of each row, whether to sample, the
     rows' blocks of one component each (when they run so; see :class:`bayesify.Sampling`). The router makes it
