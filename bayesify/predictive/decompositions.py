@@ -109,9 +109,10 @@ def _member_log_probs(member: Tensor, axis: int, log_probs: bool, class_axis: in
 
 
 def _entropy(log_probs: Tensor, dim: int) -> Tensor:
-    """``-sum p log p`` over ``dim``, with ``0 log 0 = 0`` (a class of probability 0 has log-probability -inf)."""
+    """``-sum p log p`` over ``dim``, with ``0 log 0 = 0`` (a class of probability 0 has log-probability -inf); NaN
+    stays NaN (an input with a NaN read as certain would rank first in distribution)."""
     probs = log_probs.exp()
-    return -torch.where(probs > 0, probs * log_probs, 0.0).sum(dim)
+    return -torch.where(probs == 0, 0.0, probs * log_probs).sum(dim)
 
 
 @dataclass
@@ -226,7 +227,7 @@ def classification_uncertainty(
         predictive_entropy=predictive.to(dtype),
         expected_entropy=expected.to(dtype),
         mutual_information=mutual_information.to(dtype),
-        variation_ratio=(1.0 - modal / count).to(dtype),
+        variation_ratio=(1.0 - modal / count).masked_fill(predictive.isnan(), math.nan).to(dtype),  # (votes of NaN)
         class_axis=axis,
         member_probs=torch.stack(kept) if keep_members else None,
     )
@@ -325,7 +326,7 @@ def binary_uncertainty(member_logits: Tensor, *, keep_members: bool = False) -> 
         predictive_entropy=predictive.to(dtype),
         expected_entropy=expected.to(dtype),
         mutual_information=mutual_information.to(dtype),
-        variation_ratio=(minority / count).to(dtype),
+        variation_ratio=(minority / count).masked_fill(predictive.isnan(), math.nan).to(dtype),  # (votes of NaN)
         member_probs=torch.stack(kept) if keep_members else None,
     )
 

@@ -295,3 +295,17 @@ def test_the_decompositions_are_importable_from_bayesify_uncertainty():
     for fn in (classification_uncertainty, binary_uncertainty, regression_uncertainty, mixture_cdf, mixture_quantile):
         assert getattr(documented, fn.__name__) is fn
     assert documented.gaussian_head.__module__ == "bayesify.predictive.heads"
+
+
+def test_a_nan_member_output_gives_nan_uncertainty_not_certainty() -> None:
+    # 0 * log of a NaN probability was taken as 0 log 0: a NaN input's entropy, mutual information and variation
+    # ratio came out 0, the most certain of all (ranked first in distribution by an OOD score)
+    logits = torch.randn(4, 3, 5)
+    logits[:, 1] = float("nan")
+    for u in (classification_uncertainty(logits), binary_uncertainty(logits)):
+        for name in ("predictive_entropy", "expected_entropy", "mutual_information", "variation_ratio"):
+            value = getattr(u, name)
+            assert value[1].isnan().all() and not value[[0, 2]].isnan().any(), name
+    zero = torch.full((2, 1, 3), -torch.inf)
+    zero[..., 0] = 0.0  # a class of probability 0: 0 log 0 = 0 still
+    assert classification_uncertainty(zero).predictive_entropy.item() == 0.0
