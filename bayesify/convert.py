@@ -517,6 +517,17 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def revert(model: nn.Module) -> nn.Module:
     """Undo :func:`convert` in place: original classes, original state only. Returns ``model``."""
+    inside = {id(m) for m in model.modules()}
+    foreign = [(name, root) for name, layer in rank1_layers(model)
+               if (root := layer.rank1_state.model.root) is not None and id(root) not in inside
+               and any(m is layer for m in root.modules())]  # fmt: skip
+    if foreign:  # a layer shared with a converted model (not a copy of one): reverting it would take that model's factors
+        name, root = foreign[0]
+        raise ValueError(
+            f"{type(model).__name__} holds layers of another converted model ({name!r}, converted with a "
+            f"{type(root).__name__} it shares them with): revert that model, bayesify.revert(<that model>); reverting "
+            "them here would take their trained factors from it."
+        )
     for module in list(model.modules()):
         state = module.__dict__.get(ATTRIBUTE)
         if state is not None:

@@ -523,3 +523,17 @@ def test_an_untied_lm_head_that_resize_token_embeddings_replaced_is_named() -> N
         bayesify.kl_loss(model, 100)
     bayesify.convert(model)
     assert isinstance(model.lm_head, bayesify.layers.Rank1Layer)
+
+
+def test_revert_of_a_model_sharing_a_converted_layer_with_another_is_refused() -> None:
+    # b was never converted but shares a layer with a: revert(b) reverted it, and a lost its trained factors silently
+    shared = nn.Linear(4, 8)
+    a, b = nn.Sequential(shared, nn.ReLU(), nn.Linear(8, 3)), nn.Sequential(shared, nn.ReLU(), nn.Linear(8, 2))
+    bayesify.convert(a, task="classification", components=4, init="normal").eval()
+    x = torch.randn(5, 4)
+    before = a(x)
+    with pytest.raises(ValueError, match=r"Sequential holds layers of another converted model \('0', converted with"):
+        bayesify.revert(b)
+    torch.testing.assert_close(a(x), before)
+    bayesify.revert(a)  # its own: as before
+    assert not bayesify.is_converted(a) and type(shared) is nn.Linear
