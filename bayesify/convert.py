@@ -416,12 +416,16 @@ def _check_not_distributed(model: nn.Module) -> None:
     the parameters when they wrap, so the factors convert adds would never be reduced across the processes (each
     rank would train a posterior of its own, silently); ``nn.DataParallel``'s replicas run in threads at once."""
     refusals = (
-        (nn.parallel.DistributedDataParallel, "a DistributedDataParallel wrapper, which took the model's parameters "
-         "when it was made: the factors convert adds would never be averaged across the processes (each rank would "
-         "train its own posterior); convert first, then wrap: DistributedDataParallel(bayesify.convert(model))."),
-        (nn.DataParallel, "an nn.DataParallel wrapper, whose replicas of the model run in threads at once and would "
-         "share one routing of the pass; convert the model itself (bayesify.convert(wrapper.module)) and, for several "
-         "GPUs, wrap it in DistributedDataParallel (one process per GPU)."),
+        (nn.parallel.DistributedDataParallel, (
+            "a DistributedDataParallel wrapper, which took the model's parameters when it was made: the factors "
+            "convert adds would never be averaged across the processes (each rank would train its own posterior); "
+            "convert first, then wrap: DistributedDataParallel(bayesify.convert(model))."
+        )),
+        (nn.DataParallel, (
+            "an nn.DataParallel wrapper, whose replicas of the model run in threads at once and would share one "
+            "routing of the pass; convert the model itself (bayesify.convert(wrapper.module)) and, for several GPUs, "
+            "wrap it in DistributedDataParallel (one process per GPU)."
+        )),
     )  # fmt: skip
     for kind, why in refusals:
         wrapper = next((name for name, m in model.named_modules() if isinstance(m, kind)), None)
