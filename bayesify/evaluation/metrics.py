@@ -24,6 +24,7 @@ References:
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -277,7 +278,19 @@ def compute_metrics(
     if members and components > 1:
         out["members"] = member_metrics(member_log_probs, labels, components)
         out["diversity"] = diversity(member_log_probs, labels, components)
+    if bool(probs.isnan().any()):  # (a NaN input or weight: its argmax and confidence read as numbers, NaN's scores)
+        out = _all_nan(out)
     return out
+
+
+def _all_nan(value: object) -> object:
+    """Every number of a metrics structure NaN: where an example's probabilities are, accuracy 0 and AURC 1 say
+    nothing true (the NLL is NaN by itself)."""
+    if isinstance(value, dict):
+        return {k: _all_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_all_nan(v) for v in value]
+    return math.nan if isinstance(value, float) else value
 
 
 

@@ -195,3 +195,15 @@ def test_evaluate_checks_class_labels_and_leaves_the_model_as_it_was() -> None:
                 net, TensorDataset(x[2:], y[2:]), members=False)["nll"], rel=1e-6)  # fmt: skip
     with pytest.raises(ValueError, match=r"bins=0 must be the number of equal-width confidence bins"):
         bayesify.evaluation.evaluate(net, TensorDataset(x, y), bins=0)
+
+
+def test_an_example_with_nan_probabilities_makes_every_metric_nan() -> None:
+    # the NLL was NaN, but accuracy 0.0 and AURC 1.0 read as numbers (a NaN's argmax and confidence)
+    log_probs = torch.randn(4, 6, 3).log_softmax(-1)
+    log_probs[:, 2] = float("nan")
+    metrics = compute_metrics(log_probs, torch.tensor([0, 1, 2, 0, 1, 2]), components=2)
+    numbers = [metrics[k] for k in ("nll", "accuracy", "ece", "brier", "aurc")]
+    numbers += [v for member in metrics["members"] for v in member.values()] + list(metrics["diversity"].values())
+    assert all(math.isnan(v) for v in numbers)
+    clean = compute_metrics(log_probs[:, [0, 1, 3]], torch.tensor([0, 1, 0]), components=2)
+    assert not math.isnan(clean["accuracy"]) and not math.isnan(clean["nll"])
