@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from bayesify.convert import added_after_conversion, default_mapping
 from bayesify.layers.base import ConvertedLayer
+from bayesify.model_state import ModelState
 from bayesify.variational.divergence import total_kl
 
 __all__ = ["kl_divergence", "kl_loss"]
@@ -33,6 +34,11 @@ def kl_divergence(model: nn.Module) -> Tensor:
     References:
         Dusenberry et al., ICML 2020, Eq. 3 (the reference sums over the K components).
     """
+    return _kl_divergence(model)[0]
+
+
+def _kl_divergence(model: nn.Module) -> tuple[Tensor, list[ConvertedLayer]]:
+    """:func:`kl_divergence`, and the converted layers it summed over (one walk of the model a step)."""
     modules = list(model.modules())
     layers = [module for module in modules if isinstance(module, ConvertedLayer)]
     if not layers:
@@ -44,8 +50,8 @@ def kl_divergence(model: nn.Module) -> Tensor:
     total = total_kl(term for layer in layers for term in layer.rank1_kl_terms())
     if total is None:  # only delta posteriors (BatchEnsemble)
         first = next((p for layer in layers for p in layer.rank1_parameters()), None)
-        return torch.zeros(()) if first is None else first.new_zeros(())
-    return total  # (a sharded model's tables are summed over the ranks in total_kl: counted once in all)
+        return (torch.zeros(()) if first is None else first.new_zeros(())), layers
+    return total, layers  # (a sharded model's tables are summed over the ranks in total_kl: counted once in all)
 
 
 def _warn_added_after_conversion(layers: list[ConvertedLayer], modules: int) -> None:
@@ -100,18 +106,16 @@ def kl_loss(model: nn.Module, num_train: int, *, step: int | None = None, warmup
     if warmup_steps and step is None:  # (the weight would be 1 from the first step: the warm-up ignored, silently)
         raise ValueError(f"warmup_steps={warmup_steps} raises the KL's weight over the steps: pass step= too (the 0-based optimizer step).")
     weight = 1.0 if step is None else kl_scale(_count("step", step, 0, "the 0-based optimizer step"), warmup_steps)
-    kl = kl_divergence(model)
+    kl, layers = _kl_divergence(model)
     if not torch.compiler.is_compiling():
-        _warn_fewer_than_a_batch(model, num_train)
+        _warn_fewer_than_a_batch(layers[0].rank1_state.model, num_train)
     return kl * (weight / num_train)
 
 
-def _warn_fewer_than_a_batch(model: nn.Module, num_train: int) -> None:
+def _warn_fewer_than_a_batch(state: ModelState, num_train: int) -> None:
     """Warn, once per model, where ``num_train`` is fewer than the examples of the last forward pass: the number of
     batches given for the number of examples (``len(loader)`` for ``len(train_set)``) weighs the KL that many times
     too much."""
-    layer = next(m for m in model.modules() if isinstance(m, ConvertedLayer))
-    state = layer.rank1_state.model
     passed = state.router.state
     if passed is None or passed.batch <= num_train or "num_train" in state.warned:
         return

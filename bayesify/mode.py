@@ -70,7 +70,7 @@ def mode(
     check_class_axis(task, class_axis)
     parsed = None if task is None and class_axis is None else resolve_task(task or "classification", class_axis=class_axis)
     if parsed is not None:  # said of a Hugging Face model as a whole: its logits' task, its loss still recomputed
-        parsed = said_of_model(parsed, state.task)
+        parsed = said_of_model(parsed, state.current_task())
     router.overrides.append(RouteSpec(route, noise, samples, parsed, component))
     try:
         yield
