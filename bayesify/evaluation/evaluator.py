@@ -32,7 +32,7 @@ from bayesify.inspection import check_handed_on, is_converted, model_task, num_c
 from bayesify.mode import predict
 from bayesify.model_state import model_state
 from bayesify.predictive.libraries import padding_targets, predicts_next_token, with_decoder_inputs
-from bayesify.predictive.outputs import check_leaf, described, leaf_task, selected_output
+from bayesify.predictive.outputs import check_leaf, described, leaf_task, rows_axis, selected_output
 from bayesify.predictive.tasks import Classification, Task
 
 __all__ = [
@@ -64,7 +64,9 @@ def collect_members(
     output: object = None,
     label_key: str = "labels",
 ) -> tuple[Tensor, Tensor]:
-    """The raw member outputs ``[K * M, N, ...]`` (component-major) and the targets ``[N, ...]``, on the CPU.
+    """The raw member outputs ``[K * M, N, ...]`` (component-major) and the targets ``[N, ...]``, on the CPU (an
+    output that holds its examples at another axis, a time-major ``[T, B, C]`` with ``batch_dim=1``, keeps its
+    layout: ``[K * M, T, N, C]`` and ``[T, N]``).
 
     Args:
         model: a converted model (K components) or a plain one (one member).
@@ -122,6 +124,7 @@ def _collect_members(
     next_token = labels is not False and predicts_next_token(model)
     batch_dim = model_state(model).options.batch_dim if converted else 0
     outputs, targets, key = [], [], None
+    axes: set[tuple[int, int | None]] = set()  # where each batch's output and target hold the examples
     for index, batch in enumerate(batches):
         x, y = _read_batch(batch, label_key, labels=bool(labels))
         # one example and its label, not a batch (a DataLoader with batch_size=None): a batch of one
@@ -149,6 +152,12 @@ def _collect_members(
                 check_leaf(scored, key, model, members.shape[1:], batch_dim if batch_dim < members.dim() - 1 else None)
         if next_token and key == "logits" and y is not None:  # as the model's own loss: logits at t, label at t + 1
             members, y = _next_token(model, members, y)
+        # batches join along their examples: a time-major output [T, B, C] (batch_dim=1) at B, not at T (which
+        # joined batches of one size, and a smaller last batch failed); where T == B, at the input's batch_dim
+        examples = model_state(model).router.state.batch if converted else None
+        out_axis = 0 if examples is None else rows_axis(members[0], batch_dim, examples)
+        target_axis = None if y is None or examples is None else rows_axis(y, batch_dim, examples)
+        axes.add((out_axis or 0, target_axis))
         outputs.append(members.float().cpu())
         if labels is not False and y is not None:
             targets.append(y.cpu())
@@ -159,7 +168,14 @@ def _collect_members(
             f"{len(targets)} of the {len(outputs)} batches hold targets (under label_key={label_key!r}, or as pairs) "
             "and the others do not: give every batch its targets, or none."
         )
-    return torch.cat(outputs, 1), torch.cat(targets) if targets else torch.empty(0), key
+    if len(axes) > 1:
+        raise ValueError(
+            f"the batches of {name} hold their examples at different axes of the output and target ({sorted(axes)}): "
+            f"give every batch one layout (the batch at batch_dim={batch_dim})."
+        )
+    out_axis, target_axis = axes.pop()
+    joined = torch.cat(targets, target_axis or 0) if targets else torch.empty(0)
+    return torch.cat(outputs, 1 + out_axis), joined, key
 
 
 def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) -> tuple[object, Tensor | None]:

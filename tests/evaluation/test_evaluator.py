@@ -298,3 +298,40 @@ def test_an_empty_set_is_named_in_the_error(images):
         evaluate(_net(), images, ood=empty)
     with pytest.raises(ValueError, match="^the test set is empty"):
         evaluate(_net(), empty)
+
+
+class _TimeMajorTagger(nn.Module):
+    """[T, B, 5] -> [T, B, C]: every position of every sequence scored."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.rnn, self.fc = nn.GRU(5, 8), nn.Linear(8, classes)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0])
+
+
+def test_a_time_major_output_joins_its_batches_at_their_examples_not_their_positions():
+    # batches of a [T, B, C] output (batch_dim=1) were joined at T: right while every batch had one size, and a
+    # smaller last batch failed in torch.cat; the metrics do not depend on how the set is cut into batches
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 7, 5), torch.randint(3, (10, 7))  # 10 sequences of 7 steps, made time-major per batch
+
+    def collate(items):
+        return torch.stack([a for a, _ in items], 1), torch.stack([b for _, b in items], 1)
+
+    sets = {"set": TensorDataset(x, y)}
+    model = bayesify.convert(_TimeMajorTagger(3), components=2, task="classification", class_axis=-1, batch_dim=1)
+    one = evaluate(model, DataLoader(sets["set"], batch_size=10, collate_fn=collate), ood=DataLoader(TensorDataset(x * 3, y), batch_size=10, collate_fn=collate))
+    for size in (4, 3):  # 4 + 4 + 2, 3 + 3 + 3 + 1 (a last batch of 1 has T != B and B == 1)
+        loader = DataLoader(sets["set"], batch_size=size, collate_fn=collate)
+        ood = DataLoader(TensorDataset(x * 3, y), batch_size=size, collate_fn=collate)
+        cut = evaluate(model, loader, ood=ood)
+        for key in ("nll", "accuracy", "ece"):
+            assert cut[key] == pytest.approx(one[key], rel=1e-5), (size, key)
+        assert 0 <= cut["ood"]["entropy"]["auroc"] <= 1  # (sampled scores: each batch draws its own noise)
+    members, targets = bayesify.evaluation.collect_members(model, DataLoader(sets["set"], batch_size=4, collate_fn=collate))
+    assert members.shape == (2, 7, 10, 3) and targets.shape == (7, 10)
+    assert torch.equal(targets, y.T)
