@@ -177,7 +177,7 @@ class Classification(Task):
         raise ValueError(
             f"an output of shape {shape} could hold classes at axis 1 ([B, C, L]: a Conv1d or "
             "segmentation net) or at axis -1 ([B, T, C]: per-token logits); pass class_axis=1 or class_axis=-1 to "
-            "bayesify.convert (or bayesify.mode)."
+            "bayesify.convert (or bayesify.mode); a time-major [T, B, C] output (batch_dim=1): class_axis=-1."
         )
 
     def reduce(self, members: Tensor) -> Tensor:

@@ -183,6 +183,9 @@ def test_a_three_axis_output_needs_its_class_axis() -> None:
     x = torch.randn(2, 2, 7, dtype=DT)
     with pytest.raises(ValueError, match="pass class_axis=1 or class_axis=-1"):
         model(x)
+    # a time-major [T, B, C] (batch_dim=1) is told which: its axis 1 holds the batch (class_axis=1 was refused next)
+    with pytest.raises(ValueError, match=r"time-major \[T, B, C\] output \(batch_dim=1\): class_axis=-1"):
+        model(x)
     with torch.no_grad(), bayesify.mode(model, task="classification", class_axis=1, noise=False):
         out = model(x)
     assert out.shape == (2, 5, 7)
