@@ -29,7 +29,7 @@ from bayesify.training.config import TrainConfig
 from bayesify.training.recipes import apply_preset
 from bayesify.zoo.data import DataBundle, data_names
 from bayesify.zoo.models import create_model
-from bayesify.zoo.weights import first_line, load_weights
+from bayesify.zoo.weights import first_line, load_start_weights
 
 __all__ = [
     "CHECKPOINT",
@@ -166,8 +166,8 @@ def build_model(config: TrainConfig, bundle: DataBundle) -> nn.Module:
         kind=bundle.kind,
         pretrained=config.pretrained,
     )
-    if config.weights is not None:
-        load_weights(model, config.weights)  # before conversion: the file holds the network's own keys
+    # before conversion: the file holds the network's own keys (a timm head of other classes stays new)
+    new_head = None if config.weights is None else load_start_weights(model, config.weights)
     _check_takes_the_data(model, config, bundle, task)
     if not config.deterministic:
         task_option = _task_option(config, bundle)
@@ -177,7 +177,26 @@ def build_model(config: TrainConfig, bundle: DataBundle) -> nn.Module:
         bayesify.convert(model, config.rank1.replace(task=task_option, class_axis=class_axis))
         if config.adapter:
             bayesify.freeze_base(model)
+            head = new_head or _new_head(model, config)
+            if head is not None:
+                # a head made for the data's classes (timm's pretrained weights of another width): its random weights
+                # must learn them, as the README's recipe says; frozen, they were only rescaled by the factors
+                head.requires_grad_(True)
     return model
+
+
+def _new_head(model: nn.Module, config: TrainConfig) -> nn.Module | None:
+    """The classifier ``create_model`` made anew for the data (pretrained weights published for another number of
+    classes: timm's ``num_classes`` then builds a random head), or None (a head of the loaded weights, or none)."""
+    cfg = getattr(model, "pretrained_cfg", None)
+    get_classifier = getattr(model, "get_classifier", None)
+    if not config.pretrained or not isinstance(cfg, Mapping) or not callable(get_classifier):
+        return None
+    published = cfg.get("num_classes")
+    head = get_classifier()
+    if published is None or published == getattr(model, "num_classes", published) or not isinstance(head, nn.Module):
+        return None
+    return head
 
 
 def _check_takes_the_data(model: nn.Module, config: TrainConfig, bundle: DataBundle, task: Task) -> None:

@@ -134,7 +134,9 @@ def create_model(
         _need_images(name, kind)
         import timm
 
-        with _offline_hint(name, pretrained):
+        # (the published head: one of other classes is left new at loading, as timm leaves it, and trains)
+        saved = f"timm.create_model({bare!r}, pretrained=True, in_chans={in_channels})"
+        with _offline_hint(name, pretrained, saved):
             return timm.create_model(bare, pretrained=pretrained, num_classes=num_classes, in_chans=in_channels)
     if library in ("", "torchvision") and _is_torchvision(bare):
         _need_images(name, kind)
@@ -147,7 +149,7 @@ def create_model(
                     f"torchvision's pretrained {bare!r} has {published} classes, the data {num_classes}; use the timm "
                     f"model (--model timm:{bare}), whose pretrained weights get a new classifier, or --weights FILE."
                 )
-        with _offline_hint(name, pretrained):
+        with _offline_hint(name, pretrained, f"torchvision.models.get_model({bare!r}, weights='DEFAULT')"):
             net = models.get_model(bare, weights="DEFAULT" if pretrained else None, num_classes=num_classes)
         if in_channels == 1:
             return nn.Sequential(RepeatChannels(3), net)
@@ -164,8 +166,9 @@ def create_model(
 
 
 @contextlib.contextmanager
-def _offline_hint(name: str, pretrained: bool) -> Iterator[None]:
-    """Turn a failed download of pretrained weights into one line naming ``--weights FILE``."""
+def _offline_hint(name: str, pretrained: bool, saved: str) -> Iterator[None]:
+    """Turn a failed download of pretrained weights into one line naming ``--weights FILE`` and what to save in it
+    (``saved``: the call that makes the model as the run builds it, the data's classes and channels included)."""
     try:
         yield
     except OSError as error:  # huggingface_hub's LocalEntryNotFoundError, urllib's URLError: both OSErrors
@@ -173,7 +176,7 @@ def _offline_hint(name: str, pretrained: bool) -> Iterator[None]:
             raise
         raise ValueError(
             f"model={name!r}: could not get its pretrained weights ({first_line(error)}); offline, pass --weights FILE "
-            "instead (FILE: the model's state_dict, saved with torch.save where the network is reachable)."
+            f"instead, saved where the network is reachable: torch.save({saved}.state_dict(), FILE)."
         ) from None
 
 

@@ -5,7 +5,8 @@ The file holds the ``state_dict`` of the *unconverted* network, as written by
 file). Training checkpoints that keep it under ``"state_dict"`` or ``"model"`` (timm, Lightning)
 are read too, and a ``module.`` prefix on every key (a DDP model saved whole) is dropped. The keys
 and shapes must be the model's own: anything else is refused with the keys that differ, never
-loaded in part.
+loaded in part; only a timm model's classifier of another number of classes is left as the model made it, as
+timm's own pretrained loading leaves it (weights published for 1000 classes start a 10-class model).
 
 Example:
     >>> torch.save(timm.create_model("resnet18", pretrained=True).state_dict(), "resnet18.pt")  # online
@@ -22,7 +23,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
-__all__ = ["first_line", "load_weights", "read_state_dict"]
+__all__ = ["first_line", "load_start_weights", "load_weights", "read_state_dict"]
 
 _NESTED = ("state_dict", "model")  # where training checkpoints keep the weights
 _SHOWN = 3  # keys named per kind of mismatch
@@ -72,19 +73,31 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, Tensor]:
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
-    """Load the weights in ``path`` into ``model`` (unconverted), strictly; returns ``model``.
+    """Load the weights in ``path`` into ``model`` (unconverted), strictly; returns ``model``. A timm model's
+    classifier of another number of classes than the file's is left as the model made it (see
+    :func:`load_start_weights`).
 
     Raises:
         ValueError: see :func:`read_state_dict`; or keys / shapes that are not the model's, named.
     """
+    load_start_weights(model, path)
+    return model
+
+
+def load_start_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module | None:
+    """:func:`load_weights`, returning the classifier left new: as timm's own pretrained loading does, a timm model
+    whose classifier (``pretrained_cfg["classifier"]``) has another width than the file's keeps its own, random
+    one (weights published for 1000 classes, a model for 10), which must then train; None where every key loaded."""
     state = read_state_dict(path)
-    expected = model.state_dict()
+    holder = _holder(model, state)
+    expected = holder.state_dict()
+    head, head_keys = _other_width_head(holder, state, expected)
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     shapes = [
         f"{k} {list(state[k].shape)} in the file, {list(expected[k].shape)} in the model"
         for k in expected
-        if k in state and state[k].shape != expected[k].shape
+        if k in state and state[k].shape != expected[k].shape and k not in head_keys
     ]
     problems = [
         f"{len(keys)} {kind} ({', '.join(keys[:_SHOWN])}{', ...' if len(keys) > _SHOWN else ''})"
@@ -93,10 +106,37 @@ def load_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module:
     ]
     if problems:
         raise ValueError(
-            f"--weights {path} does not fit {type(model).__name__}: keys {'; '.join(problems)}; the file must hold "
+            f"--weights {path} does not fit {type(holder).__name__}: keys {'; '.join(problems)}; the file must hold "
             "this model's state_dict (the same architecture, input channels and number of classes)."
         )
-    model.load_state_dict(state, strict=True)
+    holder.load_state_dict({k: v for k, v in state.items() if k not in head_keys}, strict=not head_keys)
+    return head
+
+
+def _other_width_head(
+    model: nn.Module, state: Mapping[str, Tensor], expected: Mapping[str, Tensor]
+) -> tuple[nn.Module | None, set[str]]:
+    """A timm model's classifier and its keys where the file has them all at other shapes (another number of
+    classes), else ``(None, set())``."""
+    cfg = getattr(model, "pretrained_cfg", None)
+    names = cfg.get("classifier") if isinstance(cfg, Mapping) else None
+    for name in (names,) if isinstance(names, str) else names or ():
+        keys = {k for k in expected if k.startswith(f"{name}.")}
+        if keys and all(k in state and state[k].shape != expected[k].shape for k in keys):
+            return model.get_submodule(name), keys
+    return None, set()
+
+
+def _holder(model: nn.Module, state: Mapping[str, Tensor]) -> nn.Module:
+    """The module of ``model`` whose own keys the file's are: ``model``, or the one child that holds all its state
+    where the file is that child's (a torchvision net behind :class:`~bayesify.zoo.models.RepeatChannels` for gray
+    images: its keys are ``1.``-prefixed, a torchvision ``state_dict``'s are not)."""
+    keys = model.state_dict().keys()
+    if set(state) == set(keys):
+        return model
+    for name, child in model.named_children():
+        if set(state) == set(child.state_dict()) and all(key.startswith(f"{name}.") for key in keys):
+            return child
     return model
 
 

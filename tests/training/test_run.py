@@ -81,3 +81,57 @@ def test_a_run_is_rebuilt_from_its_checkpoint_without_the_weights_file(tmp_path,
 def test_inconsistent_start_settings_name_the_fix(tmp_path, values, match):
     with pytest.raises(ValueError, match=match):
         _config(tmp_path, **values).validate()
+
+
+def test_an_adapter_from_pretrained_weights_of_other_classes_trains_its_new_head(tmp_path, digits, monkeypatch):
+    # --pretrained --adapter: timm builds a random head for the data's classes, and freeze_base froze it (its classes
+    # stayed at chance, silently); the head the weights carried (--weights FILE) stays frozen
+    import timm
+
+    torch.manual_seed(0)
+    published = tmp_path / "published.pth"  # what timm's hub would give: the weights of 1000 classes
+    torch.save(timm.create_model("test_resnet", num_classes=1000).state_dict(), published)
+    create = timm.create_model
+
+    def from_the_file(name, pretrained=False, **kwargs):
+        if pretrained:
+            kwargs["pretrained_cfg_overlay"] = {"file": str(published)}
+        return create(name, pretrained=pretrained, **kwargs)
+
+    monkeypatch.setattr(timm, "create_model", from_the_file)
+    model = build_model(_config(tmp_path, model="test_resnet", pretrained=True, adapter=True), digits)
+    head = model.get_classifier()
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    assert trained == {id(p) for p in bayesify.rank1_parameters(model)} | {id(p) for p in head.parameters()}
+    torch.save({k: v for k, v in create("test_resnet", num_classes=10, in_chans=1).state_dict().items()}, tmp_path / "w.pt")
+    model = build_model(_config(tmp_path, model="test_resnet", weights=str(tmp_path / "w.pt"), adapter=True), digits)
+    assert {id(p) for p in model.parameters() if p.requires_grad} == {id(p) for p in bayesify.rank1_parameters(model)}
+
+
+def test_weights_published_for_other_classes_start_a_timm_run_with_a_new_head_that_trains(tmp_path, digits):
+    # what the offline hint says to save: timm.create_model(name, pretrained=True, in_chans=C), its published head
+    import timm
+
+    torch.manual_seed(0)
+    published = timm.create_model("test_resnet", num_classes=1000, in_chans=1)
+    torch.save(published.state_dict(), tmp_path / "w.pt")
+    model = build_model(_config(tmp_path, model="test_resnet", weights=str(tmp_path / "w.pt"), adapter=True), digits)
+    head = model.get_classifier()
+    assert head.out_features == 10
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    assert trained == {id(p) for p in bayesify.rank1_parameters(model)} | {id(p) for p in head.parameters()}
+    for name, value in published.state_dict().items():
+        if not name.startswith("fc."):
+            assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_torchvision_state_dict_loads_into_its_gray_image_wrapper(tmp_path, digits):
+    # gray images put a torchvision net behind RepeatChannels (its keys "1."-prefixed): a plain state_dict was refused
+    import torchvision
+
+    torch.manual_seed(0)
+    net = torchvision.models.resnet18(num_classes=10)
+    torch.save(net.state_dict(), tmp_path / "tv.pt")
+    model = build_model(_config(tmp_path, model="torchvision:resnet18", weights=str(tmp_path / "tv.pt")), digits)
+    for name, value in net.state_dict().items():
+        assert torch.equal(model.state_dict()[f"1.{name}"], value), name

@@ -86,6 +86,9 @@ def test_pretrained_offline_is_one_error_naming_weights_file(monkeypatch):
     assert "\n" not in message and error.value.__cause__ is None and error.value.__suppress_context__
     assert message.startswith("model='resnet18': could not get its pretrained weights (LocalEntryNotFoundError: An ")
     assert "offline, pass --weights FILE" in message
+    # what to save: the published weights with the data's channels (not its classes: a random head saved at 10 classes
+    # would load as a trained one, and an --adapter run would freeze it)
+    assert message.endswith("torch.save(timm.create_model('resnet18', pretrained=True, in_chans=1).state_dict(), FILE).")
 
 
 def test_an_os_error_without_pretrained_is_not_reworded(monkeypatch):
