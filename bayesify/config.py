@@ -318,6 +318,12 @@ class LayerOptions:
         return 1.0 if self.perturbation is Perturbation.MULTIPLICATIVE else 0.0
 
     @property
+    def meaning(self) -> dict[str, str]:
+        """The options that say what the layer's saved rank-1 values mean (a location near 1 or 0; a Normal or a
+        Cauchy scale, or none): saved in a state dict's metadata, checked when one loads."""
+        return {"perturbation": self.perturbation.value, "posterior": self.posterior.value}
+
+    @property
     def initial_std(self) -> float:
         """Initial posterior scale: ``init_std``; else from ``init_dropout``, sqrt(p / (1 - p)); else a Normal
         posterior starts at the prior's scale (the KL to the prior is 0 at conversion) and a Cauchy one at the

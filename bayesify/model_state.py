@@ -222,7 +222,34 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> 
 
 def _load_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs): see variational/store.load_tables
+    _refuse_another_meaning(module, state_dict, prefix)
     store.load_tables(module.__dict__[ATTRIBUTE].draws.groups, state_dict, prefix, error_msgs=args[-1])
+
+
+def _refuse_another_meaning(root: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+    """Refuse in one line, before anything loads (the root's pre-hook runs first), a checkpoint whose rank-1 values
+    mean something else in this model: saved under another ``perturbation`` or ``posterior`` (each layer's
+    ``meaning`` in the state dict's metadata; a format without it, safetensors, loads unchecked). The layers' own
+    pre-hooks keep the check for a layer loaded on its own."""
+    metadata = getattr(state_dict, "_metadata", None)
+    if not metadata:
+        return
+    for name, layer in root.named_modules():
+        state = layer.__dict__.get("rank1_state")
+        key = prefix + name if name else prefix[:-1]
+        saved = metadata.get(key, {}).get("rank1") if state is not None else None
+        if not saved or not any(k.startswith(f"{key}.rank1_" if key else "rank1_") for k in state_dict):
+            continue
+        now = state.options.meaning
+        differ = [k for k in now if k in saved and saved[k] != now[k]]
+        if differ:
+            said = ", ".join(f"{k}={saved[k]!r}" for k in differ)
+            raise ValueError(
+                f"the checkpoint's rank-1 values (of {key or type(layer).__name__}, and any other layer) were saved "
+                f"from a model converted with {said}, and mean something else in this one ("
+                + ", ".join(f"{k}={now[k]!r}" for k in differ)
+                + f"); convert with bayesify.convert(model, {said}) before loading; nothing was loaded"
+            )
 
 
 def is_root(module: nn.Module) -> bool:

@@ -614,12 +614,24 @@ def test_a_checkpoint_of_another_perturbation_or_posterior_is_refused_and_leaves
         buffer.seek(0)
         saved[name] = torch.load(buffer)  # through torch.save: the state dict's metadata travels with it
     model = bayesify.convert(net(), task="classification")
-    before = {k: v.clone() for k, v in model.state_dict().items() if "rank1" in k}
-    for other, match in (("additive", "perturbation='additive'.*perturbation='multiplicative'"), ("cauchy", "posterior='cauchy'")):
-        with pytest.raises(RuntimeError, match=match):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # refused in one line before anything loads (the network's own weights were loaded, then a RuntimeError raised)
+    for other, match in (("additive", r"perturbation='additive'.*perturbation='multiplicative'.*"
+                          r"bayesify.convert\(model, perturbation='additive'\) before loading; nothing was loaded$"),
+                         ("cauchy", "posterior='cauchy'.*posterior='normal'")):  # fmt: skip
+        with pytest.raises(ValueError, match=match) as error:
             model.load_state_dict(saved[other])
+        assert "\n" not in str(error.value)
         for k, v in before.items():
             assert torch.equal(model.state_dict()[k], v), k
+    delta = bayesify.convert(net(), task="classification", posterior="delta")  # (a normal checkpoint's rho: no key here)
+    with pytest.raises(ValueError, match="posterior='normal'.*posterior='delta'"):
+        delta.load_state_dict(saved["multiplicative"])
+    # a layer loaded on its own: its own pre-hook keeps the check (torch's error, the layer's values kept)
+    layer = bayesify.convert(net(), task="classification", posterior="cauchy", prior="cauchy")[0].state_dict()
+    with pytest.raises(RuntimeError, match="posterior='cauchy'"):
+        model[0].load_state_dict(layer)
+    assert torch.equal(model[0].rank1_s.loc, before["0.rank1_s.loc"])
     assert not model.load_state_dict(saved["multiplicative"]).missing_keys  # the same options: loads
     assert not model.load_state_dict(net().state_dict()).missing_keys  # a plain checkpoint: loads, as always
 

@@ -165,7 +165,7 @@ def _keep_rank1_state_if_absent(
     own = layer.rank1_state_dict()
     state = layer.rank1_state
     if any(prefix + key in state_dict for key in own):
-        saved, now = local_metadata.get("rank1"), _meaning(state.options)
+        saved, now = local_metadata.get("rank1"), state.options.meaning
         differ = [] if saved is None else [k for k in now if k in saved and saved[k] != now[k]]
         if differ:
             if not any(message.startswith("the rank-1 values (of ") for message in error_msgs):  # (one per load)
@@ -230,12 +230,6 @@ def _changed_message(name: str, now: tuple[int, ...], then: tuple[int, ...]) -> 
         "change before bayesify.convert, or call bayesify.revert(model) and then bayesify.convert(model, ...) again "
         "(every layer's rank-1 values start anew)."
     )
-
-
-def _meaning(options: LayerOptions) -> dict[str, str]:
-    """The options that say what a layer's saved rank-1 values mean (a location near 1 or 0; a Normal or a Cauchy
-    scale)."""
-    return {"perturbation": options.perturbation.value, "posterior": options.posterior.value}
 
 
 class ConvertedLayer(nn.Module):
@@ -509,7 +503,7 @@ class ConvertedLayer(nn.Module):
         metadata = getattr(destination, "_metadata", None)
         state = self.__dict__.get("rank1_state")
         if metadata is not None and state is not None:
-            metadata.setdefault(prefix[:-1], {})["rank1"] = _meaning(state.options)
+            metadata.setdefault(prefix[:-1], {})["rank1"] = state.options.meaning
 
     def __getattr__(self, name: str) -> Any:
         value = super().__getattr__(name)
