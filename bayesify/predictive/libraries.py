@@ -60,6 +60,18 @@ _FEATURE_MODULES = (
 )
 
 
+def _timm_classes(model: nn.Module) -> int:
+    """A timm classifier's number of classes: its head's width (``get_classifier()``, a head assigned in place,
+    ``model.fc = nn.Linear(512, 5)``, which leaves timm's ``num_classes`` as it was), else ``num_classes``."""
+    get_classifier = getattr(model, "get_classifier", None)
+    try:
+        head = get_classifier() if callable(get_classifier) else None
+    except (AttributeError, NotImplementedError, TypeError):  # (a model of timm's whose head is not one module)
+        head = None
+    width = getattr(head, "out_features", None) if isinstance(head, nn.Module) else None
+    return width if isinstance(width, int) and width > 0 else model.num_classes
+
+
 def infer_task(model: nn.Module) -> Task | None:
     """The task a model states about its own output, or None when it states nothing.
 
@@ -68,8 +80,9 @@ def infer_task(model: nn.Module) -> Task | None:
     * torchvision segmentation (FCN, DeepLabV3, LRASPP): ``{"out", "aux"}`` class logits at axis 1.
     * torchvision detection (Faster / Mask / Keypoint R-CNN, RetinaNet, FCOS, SSD): :class:`Members`
       (boxes of different members cannot be averaged; see :func:`bayesify.detection.fuse_detections`).
-    * a timm model with ``num_classes > 0`` or a torchvision classifier: :class:`Classification` (-1; with timm's
-      ``num_classes``, which an output's class axis must match: torchvision states no number).
+    * a timm model with ``num_classes > 0`` or a torchvision classifier: :class:`Classification` (-1; with the
+      number of classes the model states, which an output's class axis must match: timm's head's width, else its
+      ``num_classes``; a torchvision classifier's head, its last ``Linear``).
     * a torch recurrent, attention or transformer module used as the model: :class:`Regression` (its
       outputs are features and states; the mixture is their mean).
     """
@@ -92,7 +105,7 @@ def infer_task(model: nn.Module) -> Task | None:
     if isinstance(model, _FEATURE_MODULES):
         return Regression()  # a recurrent / attention / transformer module used as the model: its features, averaged
     if _defined_in(model, "timm.models") and isinstance(getattr(model, "num_classes", None), int):
-        return Classification(-1, model.num_classes) if model.num_classes > 0 else None
+        return Classification(-1, _timm_classes(model)) if model.num_classes > 0 else None
     if _defined_in(model, "torchvision.models") and not _defined_in(
         model, "torchvision.models.detection", "torchvision.models.segmentation", "torchvision.models.optical_flow"
     ):

@@ -34,6 +34,30 @@ def test_a_timm_classifier_states_its_number_of_classes() -> None:
     assert bayesify.predictive.resolve_task("classification").classes is None  # said: nothing to check it against
 
 
+@pytest.mark.parametrize("when", ["before convert", "after convert"])
+def test_a_timm_head_assigned_in_place_states_its_classes(when: str) -> None:
+    # model.fc = nn.Linear(512, 5) leaves timm's num_classes at 10: its 5 logits were refused as "not the 10 classes"
+    # (the README says a new head the model states is read as its logits, as torchvision's is)
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("resnet18", num_classes=10)
+    if when == "before convert":
+        model.fc = nn.Linear(512, 5)
+        model = bayesify.convert(model, components=K)
+    else:
+        model = bayesify.convert(model, components=K)
+        model.fc = nn.Linear(512, 5)
+        bayesify.convert(model)
+    assert model.num_classes == 10 and infer_task(model).classes == 5
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(x).exp().sum(-1), torch.ones(2), atol=1e-5)
+        assert bayesify.uncertainty(model, x).probs.shape == (2, 5)
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=10)
+    vit.head = nn.Linear(192, 3)
+    assert infer_task(vit).classes == 3
+
+
 @pytest.mark.parametrize("replace", ["identity", "reset_classifier(0)"])
 def test_features_of_a_replaced_head_are_refused_not_softmaxed(replace: str) -> None:
     model = _timm_classifier(10)
