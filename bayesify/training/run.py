@@ -334,6 +334,13 @@ def resume_run_config(explicit: dict[str, Any]) -> TrainConfig:
             f"--epochs {after.epochs} is fewer than the {trained} epochs the run in {out} has trained; resume with "
             f"--epochs {trained + 1} or more to train on (bayesify evaluate --out {out} evaluates it as it is)."
         )
+    taken = int(checkpoint.get("step", 0))
+    if explicit.get("max_steps") is not None and after.max_steps is not None and after.max_steps <= taken:
+        # (it trained nothing and logged the same evaluation again)
+        raise ValueError(
+            f"--max-steps {after.max_steps} is not more than the {taken} steps the run in {out} has taken; resume with "
+            f"--max-steps {taken + 1} or more to train on (bayesify evaluate --out {out} evaluates it as it is)."
+        )
     for keys, holds in ((_FIXED_AT_RESUME, "its checkpoint holds that model"),
                         (_OPTIMISATION, "its optimizer, schedule and place in the epoch go on from the checkpoint")):  # fmt: skip
         for key in keys:

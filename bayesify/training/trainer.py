@@ -106,6 +106,11 @@ class _Run:
     total_steps: int
     converted: bool
 
+    def epochs_done(self, step: int) -> float:
+        """The epochs ``step`` steps make (a log line's ``epoch``: 1.0 at the first epoch's end, 0.33 a third into
+        it), as the progress line says them."""
+        return round(step / self.steps_per_epoch, 4)
+
 
 def _kl_annealing_steps(said: float | None, epochs: int, max_steps: int | None, steps_per_epoch: int) -> int:
     """The steps over which the KL weight rises to 1: ``said`` epochs of them, else 2/3 of the run's steps (its
@@ -422,7 +427,7 @@ class Trainer:
         self.last = means
         # "steps": how many steps the means are over (log_every, fewer for the first line after a --resume that did
         # not stop on a multiple of it)
-        record = {"kind": "train", "step": self.step, "epoch": self.epoch, "steps": steps, **means}
+        record = {"kind": "train", "step": self.step, "epoch": run.epochs_done(self.step), "steps": steps, **means}
         group = run.optimizer.param_groups[0]  # the base rate now (group 0 may have a multiplier, e.g. an adapter's)
         record["lr"] = self.config.lr * group["lr"] / group["initial_lr"]
         record["examples_per_s"] = round(examples_per_s, 2)
@@ -447,7 +452,7 @@ class Trainer:
                 return
             self.results = results
             metrics = {k: results[k] for k in _HEADLINE if isinstance(results.get(k), float)}
-            run.log.write({"kind": "eval", "split": "test", "step": self.step, "epoch": self.epoch, **metrics})
+            run.log.write({"kind": "eval", "split": "test", "step": self.step, "epoch": run.epochs_done(self.step), **metrics})
             if self.config.progress is not False:
                 shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
                 # a run that --max-steps ends inside an epoch has done a fraction of it: say so, not "epoch 0"

@@ -37,6 +37,8 @@ def test_a_run_writes_metrics_and_a_checkpoint(tmp_path, digits):
     assert [r["step"] for r in train] == [4, 8, 12, 16, 20]
     assert {"loss", "nll", "kl", "kl_scale", "l2", "lr", "examples_per_s", "steps"} <= set(train[0])
     assert [(r["epoch"], r["step"]) for r in evals] == [(1, 10), (2, 20)]
+    # the epochs done, in train lines as in eval lines (a train line said 0 in the first epoch, its eval line 1)
+    assert [r["epoch"] for r in train] == [0.4, 0.8, 1.2, 1.6, 2.0]
     state = load_checkpoint(tmp_path / "run" / "checkpoint.pt")
     assert (state["step"], state["epoch"], state["batch"]) == (20, 2, 0)
     assert state["config"]["route"] == "tile"
