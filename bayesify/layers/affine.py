@@ -300,7 +300,9 @@ class Rank1Affine(Rank1Layer):
                     f"{router.layer_name(self)} ran on an input of shape {tuple(x.shape)} that does not depend on the "
                     f"batch ({rows} rows): it runs one component's factors for every member's rows, so the members "
                     "share this layer's draw and the predictive is not their exact mixture. Leave it deterministic "
-                    "with convert(..., exclude=[its name]); bayesify.summary(model, x) lists every such layer."
+                    "with convert(..., exclude=[its name]); bayesify.summary(model, x) lists every such layer. (A "
+                    "model whose first input holds no batch, nn.EmbeddingBag's 1-D tokens with offsets, needs [B, L] "
+                    "tokens: bayesify took the tokens as the batch.)"
                     + self.rank1_state.batch_dim_hint,
                     stacklevel=2,
                 )

@@ -43,6 +43,14 @@ from bayesify.variational.divergence import KLTerm
 __all__ = ["GaussianEmbedding"]
 
 
+# nn.EmbeddingBag's flat form (1-D tokens, one offset per bag): its batch is len(offsets), which bayesify cannot read
+# from the model's inputs (it took the tokens as the batch: every bag through one component, evaluation refused)
+_FLAT_BAGS = (
+    "{name} got 1-D tokens with offsets: bayesify reads the batch from the model's inputs, and "
+    "this form holds none (the bags are len(offsets)); pass [B, L] tokens, padded with the layer's padding_idx."
+)
+
+
 class GaussianEmbedding(ConvertedLayer):
     """``nn.Embedding`` / ``nn.EmbeddingBag`` with a Normal over each embedding vector.
 
@@ -90,6 +98,8 @@ class GaussianEmbedding(ConvertedLayer):
 
     def forward(self, input: Tensor, *args: object, **kwargs: object) -> Tensor:
         self.rank1_check()  # (it asks for no draw, where the other families are checked)
+        if isinstance(self, nn.EmbeddingBag) and input.dim() == 1:
+            raise ValueError(_FLAT_BAGS.format(name=self.rank1_state.model.router.layer_name(self)))
         base = type(self).__rank1_base__
         if not self.rank1_state.model.router.noise_for(self.training):
             return base.forward(self, input, *args, **kwargs)

@@ -228,7 +228,8 @@ def _refuse_rows(model: nn.Module, t: Tensor, members: int, batch: int, axis: in
         f"({members} members x the batch of {batch} that bayesify took at dimension {axis} of the input), so its "
         "members cannot be told apart; if the batch lies at another dimension of the input (a time-major "
         "[T, B] sequence), say so with bayesify.convert(model, batch_dim=...); if an input with one entry per "
-        "example is a list (pack_padded_sequence's lengths), pass it as a tensor: only tensors are tiled."
+        "example is a list (pack_padded_sequence's lengths), pass it as a tensor: only tensors are tiled; an input "
+        "that holds no batch (nn.EmbeddingBag's 1-D tokens with offsets) cannot be told from: pass [B, L] tokens."
     )
 
 
