@@ -171,7 +171,17 @@ def _row_order(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, str]:
     for name, calls in seen[0].items():
         for before, after in zip(calls, seen[1].get(name, [])):
             rows = before.shape[0]
-            if before.shape != after.shape or rows % batch:
+            if before.shape != after.shape:
+                continue
+            if rows % batch:
+                if _batch_elsewhere(before, after, batch):  # (with another length each pass warns; now listed too)
+                    found[name] = (
+                        f"called on {rows} rows at its batch axis, while example 0's input moves only the first entry "
+                        f"of another axis of size {batch}: its batch lies there (a time-major [T, B, C] input), so "
+                        "each row is not one example and the members mix here. Make the layer batch-first "
+                        "(batch_first=True), or say where its batch lies (convert(..., batch_dim=...))"
+                    )
+                    break
                 continue
             m = rows // batch
             moved_rows = (before != after).flatten(1).any(1).nonzero().flatten()
@@ -193,6 +203,16 @@ def _row_order(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, str]:
                 )
             break
     return found
+
+
+def _batch_elsewhere(before: torch.Tensor, after: torch.Tensor, batch: int) -> bool:
+    """Whether moving example 0 changed ``after`` only at index 0 of an axis of ``batch`` entries (not the first:
+    the call's batch axis, moved there)."""
+    moved = before != after
+    for axis in range(1, moved.dim()):
+        if moved.shape[axis] == batch and moved.movedim(axis, 0).flatten(1).any(1).nonzero().flatten().tolist() == [0]:
+            return True
+    return False
 
 
 def _probe(model: nn.Module, report: Summary, args: tuple, kwargs: dict) -> None:

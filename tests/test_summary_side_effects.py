@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -143,3 +145,9 @@ def test_summary_finds_a_time_major_layer_whose_length_equals_the_batch() -> Non
     report = bayesify.summary(model, torch.randn(5, 5, 8))
     assert set(report.misordered) == {"mix"}, report.misordered
     assert "batch lies on another axis" in report.misordered["mix"]
+    # with another length (T = 6, B = 4) each pass warns, and summary lists it too (it said nothing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = bayesify.summary(model, torch.randn(4, 6, 8))
+    assert set(report.misordered) == {"mix"}, report.misordered
+    assert "another axis of size 4: its batch lies there" in report.misordered["mix"]
