@@ -25,16 +25,16 @@ Seed 0, one CPU thread::
 
                                           NLL  accuracy     ECE   trainable parameters       time
     pretrained, not fine-tuned         2.6805    0.4140  0.4161   -                             -
-    deterministic                      0.4867    0.8780  0.0616   71,754 (100.0%)            0.9s
-    rank-1, full                       0.4689    0.8800  0.0677   79,242 (110.4%)            2.2s
-    rank-1, full, 4 samples            0.4332    0.8680  0.0339   (the same model)
-    rank-1 adapter                     0.4269    0.8640  0.0628   7,488 (10.4%)              2.0s
-    rank-1 adapter, 4 samples          0.4985    0.8600  0.1075   (the same model)
+    deterministic                      0.4868    0.8780  0.0590   71,754 (100.0%)            1.3s
+    rank-1, full                       0.4678    0.8800  0.0734   79,242 (110.4%)            3.7s
+    rank-1, full, 4 samples            0.4318    0.8720  0.0448   (the same model)
+    rank-1 adapter                     0.4266    0.8660  0.0625   7,488 (10.4%)              2.9s
+    rank-1 adapter, 4 samples          0.4982    0.8600  0.1074   (the same model)
 
 Over seeds 0, 1, 2 against the deterministic fine-tune: the full rank-1 fine-tune, sampled, has a
-lower NLL on every seed (by 0.04-0.07) and a lower ECE (0.034-0.048 against 0.062-0.070); at its
+lower NLL on every seed (by 0.04-0.07) and a lower ECE (0.035-0.045 against 0.059-0.072); at its
 means its NLL is lower by 0.01-0.02 and its ECE on 1 of 3. The adapter is best at its means (the
-default): NLL lower by 0.06-0.07 on every seed, ECE lower on 2 of 3 (seed 0: 0.063 against 0.062);
+default): NLL lower by 0.06-0.07 on every seed, ECE lower on 2 of 3 (seed 0: 0.063 against 0.059);
 sampled, it is worse: its
 weights are frozen, so they never learned to absorb the factors' noise. Accuracy is within 3
 points either way. So: evaluate an adapter at its means; after a full fine-tune, also try
