@@ -60,3 +60,16 @@ def test_a_lora_model_converted_trains_lora_and_the_factors_and_leaves_the_base_
     moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
     assert "base_model.model.bert.encoder.layer.0.attention.self.key.rank1_s.loc" in moved
     assert not any(n.endswith("attention.self.key.weight") for n in moved)
+
+
+def test_lora_on_a_timm_model_reads_the_timm_models_task() -> None:
+    # get_peft_model of a timm ViT: the wrapper stated nothing (evaluation asked for task=); its output is the ViT's
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=5)
+    model = peft.get_peft_model(vit, peft.LoraConfig(r=4, target_modules=["qkv"]))
+    model = bayesify.convert(model, components=K).eval()
+    assert bayesify.predictive.infer_task(model).classes == 5
+    with torch.no_grad():
+        probs = bayesify.uncertainty(model, torch.randn(2, 3, 32, 32)).probs
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2))

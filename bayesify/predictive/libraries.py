@@ -85,10 +85,15 @@ def infer_task(model: nn.Module) -> Task | None:
       ``num_classes``; a torchvision classifier's head, its last ``Linear``).
     * a torch recurrent, attention or transformer module used as the model: :class:`Regression` (its
       outputs are features and states; the mixture is their mean).
+    * a peft wrapper (``get_peft_model``): its model's.
     """
     hf = _huggingface_task(model)
     if hf is not None:
         return hf
+    if _defined_in(model, "peft") and callable(getattr(model, "get_base_model", None)):
+        inner = model.get_base_model()  # a peft wrapper of another library's model (timm's): its output is the model's
+        if isinstance(inner, nn.Module) and inner is not model:
+            return infer_task(inner)
     segmentation = _class_named("torchvision.models.segmentation.fcn", "FCN") + _class_named(
         "torchvision.models.segmentation.deeplabv3", "DeepLabV3"
     ) + _class_named("torchvision.models.segmentation.lraspp", "LRASPP")
