@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` glue: the ``Trainer``'s weight-decay names, and a merged model's tied weights.
+"""Hugging Face ``transformers`` glue: the ``Trainer``'s weight-decay names and the KL term's share of a step under
+gradient accumulation, and a merged model's tied weights.
 
 transformers stays optional: nothing here imports it; the functions look for it in ``sys.modules``
 (a model of its classes has imported it already).
@@ -18,7 +19,34 @@ from torch import nn
 
 from bayesify.inspection import rank1_parameters
 
-__all__ = ["block_class_names", "decay_parameter_names", "keep_untied"]
+__all__ = ["block_class_names", "decay_parameter_names", "keep_untied", "kl_share"]
+
+
+def kl_share(trainer: object, num_items_in_batch: object) -> float:
+    """What ``Trainer.compute_loss`` multiplies the KL term by, so that an optimizer step counts it once.
+
+    Under gradient accumulation the ``Trainer`` either divides each micro-batch's loss by the accumulation steps (a
+    loss that is a per-batch mean: the KL is added whole, 1.0) or does not (a loss the model normalised over the
+    whole accumulated batch with ``num_items_in_batch``, which weights every token alike: then 1 / the steps). Which
+    one, transformers decides by ``loss_is_scaled_for_ga`` where the trainer sets it, else by whether the model
+    takes ``num_items_in_batch`` (``model_accepts_loss_kwargs``) and got one, or a ``compute_loss_func`` is set; this
+    reads the same attributes, so the recipe passes ``num_items_in_batch`` on and keeps the ``Trainer``'s
+    token-weighted NLL (a per-batch mean weighted a short sequence's tokens above a long one's).
+
+    Args:
+        trainer: the ``transformers.Trainer`` (``self`` in ``compute_loss``).
+        num_items_in_batch: ``compute_loss``'s argument, as given.
+    """
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        accepts = getattr(trainer, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None
+        scaled = bool(accepts) or getattr(trainer, "compute_loss_func", None) is not None
+    if not scaled:
+        return 1.0
+    steps = getattr(trainer, "current_gradient_accumulation_steps", None)
+    if not isinstance(steps, int) or steps < 1:
+        steps = trainer.args.gradient_accumulation_steps  # (before the first step sets it)
+    return 1.0 / steps
 
 
 def decay_parameter_names(model: nn.Module, names: Iterable[str]) -> list[str]:

@@ -30,20 +30,18 @@ VOCAB, LENGTH = 24, 12
 class BayesianTrainer(Trainer):
     """``Trainer`` whose training loss is the ELBO per example: the model's NLL + w * KL / N."""
 
-    # compute_loss returns a per-batch mean, so training_step divides it by the accumulation steps
-    loss_is_scaled_for_ga = False
-
     def __init__(self, *args, kl_warmup_steps: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.kl_warmup_steps = kl_warmup_steps
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not model.training:  # evaluation: the model's loss is already the mixture's NLL
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        loss, outputs = super().compute_loss(model, inputs, return_outputs=True)  # this batch's mean NLL
-        # the KL term: KL / N, its weight warmed up linearly over the first kl_warmup_steps steps
-        weight = min(1.0, (self.state.global_step + 1) / max(1, self.kl_warmup_steps))
-        loss = loss + weight * bayesify.kl_divergence(model) / len(self.train_dataset)
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)  # the Trainer's NLL
+        if model.training:  # (evaluation: the model's loss is already the mixture's NLL)
+            # the KL term: KL / N, its weight warmed up linearly over the first kl_warmup_steps steps, counted once a
+            # step whatever the gradient accumulation
+            weight = min(1.0, (self.state.global_step + 1) / max(1, self.kl_warmup_steps))
+            kl = weight * bayesify.kl_divergence(model) / len(self.train_dataset)
+            loss = loss + kl * bayesify.hf.kl_share(self, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def get_decay_parameter_names(self, model):  # no weight decay on bayesify's parameters
@@ -142,28 +140,39 @@ def test_training_lowers_the_mixture_nll(tmp_path: Path) -> None:
     assert len(losses) == 32 and all(math.isfinite(v) for v in losses)
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_one_step_equals_sgd_on_the_elbo_by_hand(tmp_path: Path, accumulation: int) -> None:
-    """The Trainer's step is SGD on NLL + KL / N, also with gradient accumulation (the KL counted once).
+@pytest.mark.parametrize("recipe", ["this-file", "readme"])
+@pytest.mark.parametrize("accumulation, lengths", [(1, "equal"), (2, "equal"), (2, "ragged")])
+def test_one_step_equals_sgd_on_the_elbo_by_hand(tmp_path: Path, accumulation: int, lengths: str, recipe: str) -> None:
+    """The Trainer's step is SGD on NLL + KL / N, also with gradient accumulation (the KL counted once), the NLL
+    weighting every labelled token of the step alike: with sequences of other lengths the README's recipe took the
+    mean of the micro-batches' means (a short sequence's tokens weighted above a long one's).
 
     One component and no noise make the forward pass deterministic, so the update can be computed by hand.
     """
     model = tiny_gpt2(components=1, dtype=torch.float64)
+    model.loss_type = "ForCausalLM"  # the Trainer counts the shifted labels (see test_evaluate_reports_the_mixture_nll)
     perturb_factors(model, 0.1)
     reference = copy.deepcopy(model)
     train = counting_sequences(8, seed=0)  # one step takes all of it, in whatever order
+    if lengths == "ragged":  # 1-7 and 11 labelled next tokens: no split of the 8 into two halves has equal counts
+        for row, length in zip(train, (2, 3, 4, 5, 6, 7, 8, 12)):
+            row["labels"] = row["labels"].clone()
+            row["labels"][length:] = -100
     args = arguments(
         tmp_path, optim="sgd", learning_rate=0.1, weight_decay=0.0, max_grad_norm=0.0, max_steps=1,
         per_device_train_batch_size=8 // accumulation, gradient_accumulation_steps=accumulation, logging_steps=10,
     )  # fmt: skip
-    trainer = BayesianTrainer(model=model, args=args, train_dataset=train, kl_warmup_steps=1)
+    if recipe == "readme":  # its KL warmed up over 500 steps: weight 1 / 500 at the first
+        trainer, weight = readme_trainer()(model=model, args=args, train_dataset=train), 1 / 500
+    else:
+        trainer, weight = BayesianTrainer(model=model, args=args, train_dataset=train, kl_warmup_steps=1), 1.0
     with bayesify.mode(model, noise=False):
         trainer.train()
 
     batch = {k: torch.stack([row[k] for row in train]) for k in ("input_ids", "labels")}
     reference.train()
     with bayesify.mode(reference, noise=False):
-        loss = reference(**batch).loss + bayesify.kl_divergence(reference) / len(train)
+        loss = reference(**batch).loss + weight * bayesify.kl_divergence(reference) / len(train)
     loss.backward()
     with torch.no_grad():
         for p in reference.parameters():
