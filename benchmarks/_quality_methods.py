@@ -39,6 +39,8 @@ tasks: with its new head, the same weights for every method of a seed):
 | ``ft-rank1-spread`` | ``bayesify.convert(pretrained, init="normal", init_mean_std=0.1)``: the K components' means spread N(1, 0.1) at conversion (issue 29's study), everything fine-tuned | as ``rank1`` | K |
 | ``ft-rank1-headsign`` | ``ft-rank1``, then only the new head's factor means (``rank1_r.loc``, ``rank1_s.loc``) set to random signs +-1 (p = 0.5, the reference's ``random_sign_init``): K different heads, as an ensemble's (head study) | as ``rank1`` | K |
 | ``ft-rank1-headnormal`` | ``ft-rank1``, then only the new head's factor means drawn N(1, 0.5) (head study) | as ``rank1`` | K |
+| ``ft-rank1-headsign-initprior`` | ``ft-rank1-headsign``, with each factor's Normal prior centred on its own means after the re-draw (+-1 for the head, 1 elsewhere; the library's is centred on 1): the heads are not pulled back towards 1 (prior study) | NLL + w(t) KL(to those priors) / N | K |
+| ``ft-rank1-headnormal-initprior`` | the same for ``ft-rank1-headnormal`` (N(1, 0.5)) | as above | K |
 | ``ft-rank1-flr10`` | ``ft-rank1`` with the rank-1 parameters (``bayesify.rank1_parameters``) at 10x the learning rate (lever study) | as ``rank1`` | K |
 | ``ft-rank1-prior0.3`` | ``bayesify.convert(pretrained, prior_std=0.3)`` (the default's depth rule gives about 0.13 for the ResNet-8), everything fine-tuned (lever study) | as ``rank1`` | K |
 | ``ft-rank1-flr10-prior0.3`` | both: ``prior_std=0.3`` and the rank-1 parameters at 10x the learning rate (lever study) | as ``rank1`` | K |
@@ -258,6 +260,17 @@ def _reinit_head_means(head: nn.Module, how: str, seed: int) -> None:
             loc.copy_(draw.to(loc))
 
 
+def _kl_to_initial_means(net: nn.Module) -> Tensor:
+    """The KL of every Normal factor of ``net`` to a Normal prior of its scale centred on the factor's own means at
+    build (``Rank1(prior_at_init=True)``), where the library's prior is centred on the identity for every component."""
+    from bayesify.variational.divergence import kl_normal_normal
+
+    return sum(
+        kl_normal_normal(factor.loc, factor.scale, initial, factor.options.prior_std).sum()
+        for factor, initial in net.__dict__["_prior_locs"]
+    )
+
+
 @dataclass
 class Rank1(Method):
     """A converted network trained in the plain loop (public API only).
@@ -286,6 +299,7 @@ class Rank1(Method):
     factors_only: bool = False
     kl_warmup: float | None = None  # the KL warm-up as a fraction of the steps (None: the loop's, 2/3)
     head_means: str | None = None  # the new head's factor means after conversion: "sign" (+-1), "normal" (N(1, 0.5))
+    prior_at_init: bool = False  # each factor's Normal prior centred on its own means after build (the prior study)
 
     def build(self, task: Task, knob: Any, seed: int) -> nn.Module:
         net = copy.deepcopy(task.pretrained[seed]) if self.from_pretrained else task.make_net(0.0)
@@ -295,6 +309,12 @@ class Rank1(Method):
         bayesify.convert(net, **kwargs)
         if self.head_means is not None and task.new_head:
             _reinit_head_means(net.get_submodule(head_name(net)), self.head_means, seed)
+        if self.prior_at_init:  # the means the prior is centred on: each component's own, as built
+            net.__dict__["_prior_locs"] = [
+                (factor, factor.loc.detach().clone())
+                for module in net.modules() if hasattr(module, "rank1_factors")
+                for _, factor in module.rank1_factors()
+            ]  # fmt: skip
         if self.factors_only:
             bayesify.freeze_base(net)  # the README's adapter: only the rank-1 parameters train
             if task.new_head:  # a new head was never trained: a frozen random head would predict nothing
@@ -317,7 +337,8 @@ class Rank1(Method):
         if self.kl_warmup is not None:  # the loop warms up over 2/3 of its steps: rescale to this fraction
             warmup = max(1, round(warmup * 1.5 * self.kl_warmup))
             kl_weight = min(1.0, (step + 1) / warmup)
-        if task.loop == "plain" and self.route == "sample" and self.kl_scale == 1.0 and not self.kl_mean_over_components:
+        plain_kl = self.kl_scale == 1.0 and not self.kl_mean_over_components and not self.prior_at_init
+        if task.loop == "plain" and self.route == "sample" and plain_kl:
             # the README's two lines: the plain loss + bayesify.kl_loss with its own warm-up over `warmup` steps
             return F.cross_entropy(part(x), y) + bayesify.kl_loss(part, task.num_train, step=step, warmup_steps=warmup)
         if self.route == "tile":
@@ -331,7 +352,7 @@ class Rank1(Method):
                 nll = -log_lik.mean()
         else:
             nll = likelihood_loss(part(x), y, task)
-        kl = bayesify.kl_divergence(part) / task.num_train
+        kl = (_kl_to_initial_means(part) if self.prior_at_init else bayesify.kl_divergence(part)) / task.num_train
         if self.kl_mean_over_components:
             kl = kl / bayesify.num_components(part)
         return nll + kl_weight * self.kl_scale * kl
@@ -536,7 +557,8 @@ def _bayesian_torch_available() -> bool:
 OPTIONAL_METHODS = {"bayesian-torch": "bayesian-torch", "ft-laplace": "laplace-torch", "ft-laplace-all": "laplace-torch"}
 # run only when named (--methods): one-off questions, answered in benchmarks/results/
 STUDY_METHODS = (
-    "ft-rank1-spread", "ft-rank1-headsign", "ft-rank1-headnormal",
+    "ft-rank1-spread", "ft-rank1-headsign", "ft-rank1-headnormal", "ft-rank1-headsign-initprior",
+    "ft-rank1-headnormal-initprior",
     "ft-rank1-flr10", "ft-rank1-prior0.3", "ft-rank1-flr10-prior0.3", "ft-rank1-tiled",
 )  # fmt: skip
 
@@ -579,6 +601,12 @@ FINETUNE_METHODS: list[Method] = [
           from_pretrained=True, head_means="sign"),
     Rank1(key="ft-rank1-headnormal", label="rank-1 fine-tune, the new head's factor means N(1, 0.5)",
           from_pretrained=True, head_means="normal"),
+    Rank1(key="ft-rank1-headsign-initprior", label="rank-1 fine-tune, the new head's factor means random signs +-1, "
+          "each factor's prior centred on its own initial means", from_pretrained=True, head_means="sign",
+          prior_at_init=True),
+    Rank1(key="ft-rank1-headnormal-initprior", label="rank-1 fine-tune, the new head's factor means N(1, 0.5), each "
+          "factor's prior centred on its own initial means", from_pretrained=True, head_means="normal",
+          prior_at_init=True),
     Rank1(key="ft-rank1-flr10", label="rank-1 fine-tune, rank-1 parameters at 10x the learning rate",
           from_pretrained=True, factor_lr=10.0),
     Rank1(key="ft-rank1-prior0.3", label="rank-1 fine-tune, prior_std=0.3", convert_kwargs={"prior_std": 0.3},
