@@ -254,6 +254,30 @@ def test_head_study_redraws_only_the_new_heads_factor_means() -> None:
     assert bool((kept[2].rank1_r.loc == 1).all())  # a kept (pre-trained) head is not re-drawn
 
 
+def test_prior_study_centres_each_factors_prior_on_its_own_initial_means() -> None:
+    """``Rank1(prior_at_init=True)``: the KL is 0 at build (the posterior at the prior: its own means and scale),
+    the library's where the means start at the identity, and the head's +-1 means are not pulled towards 1."""
+    import bayesify
+    from benchmarks._quality_methods import Rank1, _kl_to_initial_means
+    from benchmarks._quality_tasks import CLASSIFICATION, Task
+
+    make = lambda p: torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))  # noqa: E731
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    task = Task("t", CLASSIFICATION, make, x, y, x, y, x, y, lambda v: [], epochs=1, batch_size=8, lr_grid=(1e-3,) * 4,
+                description="", loop="plain", new_head=True, pretrained={0: make(0.0)})  # fmt: skip
+    method = Rank1(from_pretrained=True, head_means="sign", prior_at_init=True)
+    net = method.build(task, None, 0)
+    assert float(_kl_to_initial_means(net)) == pytest.approx(0.0, abs=1e-4)
+    assert float(bayesify.kl_divergence(net)) > 1.0  # the library's prior at 1: the -1 means far from it
+    grads = torch.autograd.grad(_kl_to_initial_means(net), [net[2].rank1_r.loc])
+    assert float(grads[0].abs().max()) < 1e-4  # no pull on the head's means at build
+    plain = Rank1(from_pretrained=True, prior_at_init=True).build(task, None, 0)
+    with torch.no_grad():
+        for p in bayesify.rank1_parameters(plain):
+            p.add_(0.1)
+    torch.testing.assert_close(_kl_to_initial_means(plain), bayesify.kl_divergence(plain))
+
+
 def test_device_option_resolves_auto_and_refuses_a_missing_gpu() -> None:
     from benchmarks._quality_methods import device, set_device
 
