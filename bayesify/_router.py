@@ -298,8 +298,13 @@ class Router:
         """
         self._foreign_call(layer)
         training = True if layer is None else layer.training
-        spec = self.resolve(training)
-        common = dict(noise=spec.noise, per_block=self.options.sampling is Sampling.COMPONENT, layer=layer)
+        # the route is the root's train / eval state, as in its own pass (a frozen backbone put in eval in a training
+        # step routes as the step does, at its posterior means); the layer's own state says whether it samples
+        root = self.root
+        root_training = training if root is None else root.training
+        spec = self.resolve(root_training)
+        noise = spec.noise if training == root_training else self.default_noise(training, spec.samples)
+        common = dict(noise=noise, per_block=self.options.sampling is Sampling.COMPONENT, layer=layer)
         if spec.route is Route.COMPONENT:
             rows = torch.full((n,), spec.component, dtype=torch.long, device=device)
             return Draw(rows=rows, blocks=((0, n),), block_components=rows[:1], fixed_components=(spec.component,), **common)

@@ -750,3 +750,23 @@ def test_a_forward_hook_on_the_root_registered_before_convert_sees_the_reduced_o
     net.register_forward_hook(lambda m, a, o: seen.append(("after", a[0].shape[0], o.shape[0])))
     net.eval()(torch.randn(5, 4))
     assert seen == [("pre", 5), ("post", 5 * K, 5), ("after", 5 * K, 5)]
+
+
+def test_a_sub_module_put_in_eval_in_a_training_model_is_called_as_the_training_step_routes_it() -> None:
+    # the route is the root's train / eval state: a frozen backbone (eval) called by itself in a training step
+    # raised evaluation's error; in the whole model's pass it routes as the step does, at its posterior means
+    torch.manual_seed(0)
+    model = bayesify.convert(nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), nn.Linear(8, 3)),
+                             task="classification", components=2, init="normal", init_mean_std=0.5)  # fmt: skip
+    model.train()
+    model[0].eval()
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        out = model[0](x)  # K blocks of rows in component order: rows 0-2 member 0, 3-5 member 1, at the means
+        for k, rows in ((0, slice(0, 3)), (1, slice(3, 6))):
+            with bayesify.mode(model, component=k, noise=False):
+                torch.testing.assert_close(out[rows], model[0](x[rows]))
+    model.eval()
+    model[0].train()  # the root in evaluation: the mixture, which a part's call cannot reduce
+    with pytest.raises(RuntimeError, match="called outside the forward pass"), torch.no_grad():
+        model[0](x)
