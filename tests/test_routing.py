@@ -484,14 +484,17 @@ class _LastStep(nn.Module):
 def test_a_time_major_model_left_at_batch_dim_0_is_told_to_say_batch_dim_1() -> None:
     """nn.LSTM's default [T, B, C] input, converted with the default batch_dim=0: every example of a training step
     went through one component (the pass took T as the batch), and the one warning, and summary, named the head and
-    convert(..., exclude=...), which fixes nothing. Both now name batch_dim=1, from the input's shape."""
+    convert(..., exclude=...), which fixes nothing. The LSTM, whose time steps are the pass's rows, refuses the call
+    (in training, in evaluation and in summary's pass) naming batch_dim=1, from the input's shape."""
 
     x = torch.randn(10, 8, 3)  # T=10, B=8
     model = bayesify.convert(_LastStep(nn.LSTM(3, 16), 2), components=4, task="classification").train()
-    with pytest.warns(UserWarning, match=r"'head' ran on an input of shape \(8, 16\) that does not depend on the batch.* "
-                                         r"The model's input \(shape \(10, 8, 3\)\) has 8 at dimension 1: .*batch_dim=1"):
-        model(x)
-    assert "batch_dim=1" in bayesify.summary(model, x).shared["head"]
+    said = r"time steps are the pass's rows .* The model's input \(shape \(10, 8, 3\)\) has 8 at dimension 1: .*batch_dim=1"
+    for training in (True, False):
+        with pytest.raises(ValueError, match=said):
+            model.train(training)(x)
+    with pytest.raises(ValueError, match=said):
+        bayesify.summary(model, x)
     fixed = bayesify.convert(_LastStep(nn.LSTM(3, 16), 2), components=4, task="classification", batch_dim=1).train()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -158,6 +158,34 @@ class _Rank1Recurrent(Rank1Layer):
             cache[1][key] = draws
         return draws
 
+    def _rank1_check_time_axis(self, steps: int, batch: int, shape: tuple[int, ...]) -> None:
+        """Refuse a call whose time steps are the pass's rows: the pass took its batch where this layer keeps time
+        (a time-major model left at batch_dim=0: evaluation ran one sequence K x T long, each member starting from
+        the last one's state, and training mixed the members), silently before."""
+        router = self.rank1_state.model.router
+        state = router.state
+        if not router.active or state is None or state.axis is None:
+            return
+        rows = state.rows.shape[0]
+        if batch == rows or steps != rows:
+            return
+        hint = router.batch_dim_hint(batch)
+        raise ValueError(
+            f"{router.layer_name(self)} (batch_first={self.batch_first}) got an input of shape {shape} whose "
+            f"{steps} time steps are the pass's rows (its batch: {batch}): bayesify took the model's batch where this "
+            "layer keeps time." + (hint or " Convert with the batch_dim where the model's input holds its batch "
+            "(a time-major model: batch_dim=1).")
+        )
+
+    def _rank1_untile_layers(self, state: Tensor, count: int, batch: int) -> Tensor:
+        """A state ``[layers x directions, B, H]`` that the root's tiling repeated at dimension 0, where it holds its
+        layers (an ``h0`` given to a batch-first model whose layers happen to number its batch: ``[K x L, B, H]``):
+        its first copy, which this layer then tiles at its batch (every copy is the same)."""
+        tiles = self.rank1_state.model.router.tiles
+        if tiles > 1 and state.shape[0] == count * tiles and state.shape[1] * tiles == batch and count * tiles != count:
+            return state[:count]
+        return state
+
     def _rank1_tile_state(self, state: Tensor, batch: int, dim: int) -> Tensor:
         """An initial state given for the B examples of a tiled (K x B) batch: the same for every member."""
         tiles = self.rank1_state.model.router.tiles
@@ -327,6 +355,8 @@ class Rank1RNN(_Rank1Recurrent):
             unbatched = input.dim() == 2
             seq = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if self.batch_first else input)
             steps, batch = seq.shape[:2]
+            if not unbatched:
+                self._rank1_check_time_axis(steps, batch, tuple(input.shape))
             batch_sizes = [batch] * steps
             x = seq.reshape(steps * batch, seq.shape[2])
             sorted_indices = unsorted_indices = None
@@ -399,6 +429,7 @@ class Rank1RNN(_Rank1Recurrent):
             )
         if unbatched:
             states = [s.unsqueeze(1) for s in states]
+        states = [self._rank1_untile_layers(s, count, batch) for s in states]
         states = [self._rank1_tile_state(s, batch, 1) for s in states]
         if sorted_indices is not None:
             states = [s.index_select(1, sorted_indices) for s in states]

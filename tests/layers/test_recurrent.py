@@ -503,3 +503,49 @@ def test_recurrent_samples_are_not_clipped() -> None:
     model = bayesify.convert(nn.Sequential(nn.LSTM(F_IN, H), nn.Linear(H, 2)), components=K, clip=10.0)
     assert all(f.options.clip is None for _, f in model[0].rank1_factors())
     assert model[1].rank1_s.options.clip == 10.0
+
+
+class _TimeMajorTagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.fc = nn.LSTM(F_IN, H), nn.Linear(H, 5)
+
+    def forward(self, x: Tensor) -> Tensor:  # [T, B, F] -> [T, B, 5]
+        return self.fc(self.rnn(x)[0])
+
+
+def test_a_time_major_model_left_at_batch_dim_0_is_refused_at_its_recurrent_layer() -> None:
+    # the pass took the time steps as the batch: evaluation ran one sequence K x T long (each member from the last
+    # one's state) and reduced it as members, training mixed the members; both silently
+    model = bayesify.convert(_TimeMajorTagger().to(DT), components=K, task="classification", class_axis=-1)
+    x = torch.randn(6, B, F_IN, dtype=DT)
+    for training in (True, False):
+        model.train(training)
+        with pytest.raises(ValueError, match=r"^Rank1LSTM 'rnn' \(batch_first=False\) got an input of shape \(\d+, 3, 3\) "
+                           r"whose \d+ time steps are the pass's rows .*batch_dim=1"):
+            model(x)
+    said = bayesify.convert(_TimeMajorTagger().to(DT), components=K, task="classification", class_axis=-1, batch_dim=1)
+    assert said.eval()(x).shape == (6, B, 5)
+
+
+def test_an_initial_state_given_with_as_many_layers_as_examples_is_each_examples() -> None:
+    # h0 [layers, B, H] of a batch-first model: where the layers number the batch, evaluation tiled h0 at its layers
+    # (torch: "Expected hidden size (2, 8, 4), got [8, 2, 4]"); it is tiled at its batch, as an LSTM used as the model's
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.fc = nn.GRU(F_IN, H, num_layers=2, batch_first=True), nn.Linear(H, 3)
+
+        def forward(self, x: Tensor, h0: Tensor) -> Tensor:
+            return self.fc(self.rnn(x, h0)[0][:, -1])
+
+    torch.manual_seed(0)
+    model = bayesify.convert(Encoder().to(DT), components=K, task="classification", init="normal", init_mean_std=0.5)
+    x, h0 = torch.randn(2, T, F_IN, dtype=DT), torch.randn(2, 2, H, dtype=DT)
+    model.eval()
+    with torch.no_grad():
+        members = []
+        for k in range(K):
+            with bayesify.mode(model, component=k, noise=False):
+                members.append(model(x, h0).softmax(-1))
+        torch.testing.assert_close(model(x, h0), torch.stack(members).mean(0).log())
