@@ -223,6 +223,7 @@ def convert(
     config = Rank1Config.from_options(config, **options)
     check_class_axis(config.task, config.class_axis)
     input_positions(model, config.unbatched_inputs)  # (an input the forward does not have: refused before any change)
+    _check_transformer_layout(model, config.batch_dim)
     table = _swap_table(mapping, config)
     stated = infer_task(model)  # what the model states of its output (None: nothing)
     said = said_of_model(config.resolved_task(), stated)  # what the caller said of it (Auto: nothing)
@@ -409,6 +410,27 @@ def _the_models_layer_options(model: nn.Module, made: LayerOptions, said: set[st
             )
         changes[field.name] = values.pop()
     return made.replace(**changes)
+
+
+_TORCH_TRANSFORMERS = (
+    nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer
+)
+
+
+def _check_transformer_layout(model: nn.Module, batch_dim: int) -> None:
+    """Refuse, before any change, torch's transformer module used as the model with a ``batch_dim`` that is not
+    where its ``batch_first`` puts the batch: evaluation tiled the sequence (its mixture off by 0.76 on a time-major
+    encoder), and a padding or attention mask failed inside torch."""
+    if not isinstance(model, _TORCH_TRANSFORMERS):
+        return
+    attention = next((m for m in model.modules() if isinstance(m, nn.MultiheadAttention)), None)
+    batch_first = bool(getattr(model, "batch_first", getattr(attention, "batch_first", False)))
+    expected = 0 if batch_first else 1
+    if batch_dim != expected:
+        raise ValueError(
+            f"{type(model).__name__} (batch_first={batch_first}) takes its batch at dimension {expected} of its "
+            f"inputs, and convert's batch_dim is {batch_dim}: convert with batch_dim={expected}."
+        )
 
 
 def _check_not_distributed(model: nn.Module) -> None:

@@ -728,3 +728,40 @@ def test_an_input_named_unbatched_is_never_tiled_whatever_its_size() -> None:
         bayesify.convert(_Prototypes(), task="classification", unbatched_inputs=("protos",))
     with pytest.raises(ValueError, match=r"unbatched_inputs=\[1.5\] must name the forward's inputs"):
         bayesify.convert(_Prototypes(), task="classification", unbatched_inputs=[1.5])
+
+
+@pytest.mark.parametrize("kind", ["encoder", "encoder-layer", "decoder-layer", "transformer"])
+def test_torchs_transformer_used_as_the_model_takes_the_batch_where_its_batch_first_says(kind: str) -> None:
+    # a time-major TransformerEncoder at batch_dim=0: evaluation tiled the sequence (the mixture off by 0.76), a
+    # padding mask failed inside torch; refused before any change, and exact at batch_dim=1
+    def make(batch_first: bool) -> nn.Module:
+        torch.manual_seed(0)
+        layer = dict(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=batch_first)
+        if kind == "encoder":
+            return nn.TransformerEncoder(nn.TransformerEncoderLayer(**layer), 2, enable_nested_tensor=False)
+        if kind == "encoder-layer":
+            return nn.TransformerEncoderLayer(**layer)
+        if kind == "decoder-layer":
+            return nn.TransformerDecoderLayer(**layer)
+        return nn.Transformer(num_encoder_layers=1, num_decoder_layers=1, **layer)
+
+    plain = make(False)
+    with pytest.raises(ValueError, match=r"\(batch_first=False\) takes its batch at dimension 1 .* batch_dim=1\.$"):
+        bayesify.convert(plain)
+    assert not bayesify.is_converted(plain)  # nothing changed
+    with pytest.raises(ValueError, match=r"\(batch_first=True\) takes its batch at dimension 0 .* batch_dim=0\.$"):
+        bayesify.convert(make(True), batch_dim=1)
+    model = bayesify.convert(make(False), batch_dim=1, task="regression", init="normal", init_mean_std=0.3).eval()
+    src, mask = torch.randn(6, 3, 8), torch.zeros(3, 6, dtype=torch.bool)
+    mask[0, 4:] = True
+    tgt = torch.randn(5, 3, 8)
+    args = {"encoder": (src,), "encoder-layer": (src,), "decoder-layer": (tgt, src), "transformer": (src, tgt)}[kind]
+    keys = {"encoder": "src_key_padding_mask", "encoder-layer": "src_key_padding_mask",
+            "decoder-layer": "memory_key_padding_mask", "transformer": "src_key_padding_mask"}  # fmt: skip
+    with torch.no_grad():
+        out = model(*args, **{keys[kind]: mask})
+        members = []
+        for k in range(4):
+            with bayesify.mode(model, component=k, noise=False):
+                members.append(model(*args, **{keys[kind]: mask}))
+    torch.testing.assert_close(out, torch.stack(members).mean(0))
