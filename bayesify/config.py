@@ -197,12 +197,12 @@ class Rank1Config:
                 "argument names or positions (from 0), e.g. ('prototypes',) or (1,)."
             )
         set_(self, "unbatched_inputs", tuple(names))
-        if isinstance(self.task, (str, TaskName)):
-            set_(self, "task", TaskName.parse(self.task, "task"))
-        else:
-            set_(self, "task", resolve_task(self.task))  # a Task, a function or a {key: task} mapping
         if self.class_axis is not None and (isinstance(self.class_axis, bool) or not isinstance(self.class_axis, int)):
             raise ValueError(f"class_axis={self.class_axis!r} must be an integer axis (e.g. -1 or 1) or None.")
+        if isinstance(self.task, (str, TaskName)):
+            set_(self, "task", TaskName.parse(self.task, "task"))
+        else:  # a Task, a function or a {key: task} mapping, whose named entries take class_axis / gaussian_variance
+            set_(self, "task", resolve_task(self.task, class_axis=self.class_axis, gaussian_variance=self.gaussian_variance))
 
     def resolved_task(self) -> Task:
         """:attr:`task` as a :class:`~bayesify.predictive.Task` (``"auto"`` stays :class:`~bayesify.predictive.Auto`)."""

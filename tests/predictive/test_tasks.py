@@ -600,3 +600,24 @@ def test_a_huggingface_segmentation_map_is_a_softmax_over_its_classes_not_its_wi
     assert "class axis 1" in str(bayesify.summary(bert)).splitlines()[2]  # said with the inferred task: taken
     with pytest.raises(ValueError, match="class_axis=1 sets the class axis of a classifier's output"):
         bayesify.convert(_bert_classifier(transformers, num_labels=1, problem_type="regression"), class_axis=1)
+
+
+def test_a_dict_task_takes_class_axis_and_gaussian_variance_for_its_named_entries() -> None:
+    # convert(task={0: "classification", 1: "regression"}, class_axis=-1): the dict was parsed without class_axis,
+    # and a [B, T, C] output was refused asking for the class_axis that was passed (bayesify's own warning for
+    # (logits, hidden) outputs recommends this dict)
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.fc = nn.GRU(8, 16, batch_first=True), nn.Linear(16, 5)
+
+        def forward(self, x):
+            out, hidden = self.rnn(x)
+            return self.fc(out), hidden
+
+    model = bayesify.convert(Tagger(), task={0: "classification", 1: "regression"}, class_axis=-1).eval()
+    with torch.no_grad():
+        logits, hidden = model(torch.randn(3, 7, 8))
+    torch.testing.assert_close(logits.exp().sum(-1), torch.ones(3, 7))
+    config = bayesify.Rank1Config(task={"mean": "gaussian"}, gaussian_variance="softplus")
+    assert config.resolved_task().for_output("mean") == bayesify.predictive.Gaussian("softplus")
