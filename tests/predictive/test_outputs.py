@@ -179,7 +179,8 @@ def test_an_output_without_the_member_rows_is_refused_naming_batch_dim() -> None
     torch.manual_seed(0)
     tokens = torch.randint(50, (7, 3))  # [T=7, B=3]
     model = bayesify.convert(LSTMClassifier(), components=K, task="classification").eval()  # batch_dim left at 0
-    message = r"output of shape \(3, 3\) of LSTMClassifier has no dimension of 28 rows .* batch_dim="
+    # (its LSTM refuses the call first: its time steps are the pass's rows; a model without one, the output does)
+    message = r"'lstm' \(batch_first=False\) got an input of shape \(28, 3, 16\) whose 28 time steps .* batch_dim=1"
     with torch.no_grad():
         with pytest.raises(ValueError, match=message):
             model(tokens)
