@@ -454,6 +454,10 @@ class Router:
                 return t.unsqueeze(dim).expand(*t.shape[:dim], members, *t.shape[dim:])
             if t.dim() > dim and t.shape[dim] == batch:
                 return tile(t, members, dim)
+            if t.dim() == 1 and dim > 0 and t.shape[0] == batch and layer is None:
+                # one entry per example where the batch lies at another dimension (a time-major model's sequence
+                # lengths [B], batch_dim=1): its one dimension is the batch's
+                return tile(t, members, 0)
             return t
 
         return tree_unflatten([t if h else tile_leaf(t, d) for t, d, h in zip(leaves, axes, held)], tree)

@@ -765,3 +765,51 @@ def test_torchs_transformer_used_as_the_model_takes_the_batch_where_its_batch_fi
             with bayesify.mode(model, component=k, noise=False):
                 members.append(model(*args, **{keys[kind]: mask}))
     torch.testing.assert_close(out, torch.stack(members).mean(0))
+
+
+def test_an_error_inside_a_tiled_pass_names_unbatched_inputs() -> None:
+    # a [T, T] mask when the batch happens to be T: tiled with the batch, torch's error said nothing of the fix
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.layer(x, src_mask=mask)
+
+    torch.manual_seed(0)
+    x, mask = torch.randn(6, 6, 8), nn.Transformer.generate_square_subsequent_mask(6)  # B == T == 6
+    model = bayesify.convert(Encoder(), task="regression").eval()
+    with pytest.raises(RuntimeError) as error, torch.no_grad():
+        model(x, mask)
+    assert "unbatched_inputs=[...]" in "\n".join(getattr(error.value, "__notes__", []))
+    fixed = bayesify.convert(Encoder(), task="regression", unbatched_inputs=["mask"]).eval()
+    with torch.no_grad():
+        assert fixed(x, mask).shape == (6, 6, 8)
+
+
+def test_a_time_major_models_lengths_of_one_entry_per_example_are_tiled_at_their_one_dimension() -> None:
+    # batch_dim=1 with lengths [B] for pack_padded_sequence: not tiled (no dimension 1), and evaluation was refused
+    # naming "pass it as a tensor" (it was one)
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    class Tagger(nn.Module):  # [T, B, F] and lengths [B] -> [T, B, 5]
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.fc = nn.LSTM(8, 12), nn.Linear(12, 5)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            out, _ = self.rnn(pack_padded_sequence(x, lengths, enforce_sorted=False))
+            return self.fc(pad_packed_sequence(out, total_length=x.shape[0])[0])
+
+    torch.manual_seed(0)
+    model = bayesify.convert(Tagger(), task="classification", class_axis=-1, batch_dim=1, init="normal",
+                             init_mean_std=0.3).eval()  # fmt: skip
+    x, lengths = torch.randn(6, 3, 8), torch.tensor([6, 2, 4])
+    with torch.no_grad():
+        out = model(x, lengths)
+        members = []
+        for k in range(4):
+            with bayesify.mode(model, component=k, noise=False):
+                members.append(model(x, lengths).softmax(-1))
+    torch.testing.assert_close(out, torch.stack(members).mean(0).log())
