@@ -770,3 +770,32 @@ def test_a_sub_module_put_in_eval_in_a_training_model_is_called_as_the_training_
     model[0].train()  # the root in evaluation: the mixture, which a part's call cannot reduce
     with pytest.raises(RuntimeError, match="called outside the forward pass"), torch.no_grad():
         model[0](x)
+
+
+@pytest.mark.parametrize("how", ["weight_norm", "custom"])
+def test_revert_keeps_a_parametrization_registered_after_convert(how: str) -> None:
+    # revert swapped ParametrizedRank1Linear for the plain Linear class: its weight (the parametrization's property)
+    # was gone, and the layer's next call failed
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class Doubled(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return 2 * w
+
+    torch.manual_seed(0)
+    model = bayesify.convert(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), task="classification", components=2)
+    if how == "weight_norm":
+        weight_norm(model[0])
+    else:
+        parametrize.register_parametrization(model[0], "weight", Doubled())
+    bayesify.revert(model)
+    layer = model[0]
+    assert isinstance(layer, nn.Linear) and parametrize.is_parametrized(layer, "weight")
+    assert not isinstance(layer, bayesify.layers.ConvertedLayer) and not bayesify.is_converted(model)
+    x = torch.randn(2, 4)
+    expected = model[2](torch.relu(F.linear(x, layer.weight, layer.bias)))
+    torch.testing.assert_close(model(x), expected)
+    parametrize.remove_parametrizations(layer, "weight")
+    assert type(layer) is nn.Linear
+    torch.testing.assert_close(model(x), expected)

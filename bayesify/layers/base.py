@@ -232,6 +232,22 @@ def _changed_message(name: str, now: tuple[int, ...], then: tuple[int, ...]) -> 
     )
 
 
+def _reverted_class(cls: type) -> type:
+    """The class a converted layer of class ``cls`` reverts to: the original's; where classes were made on top of the
+    converted one since (torch's parametrize makes ``ParametrizedRank1Linear`` when a parametrization is registered
+    after convert), the same made on top of the original's (``ParametrizedLinear``: its parametrized weight stays a
+    property; the plain class had none, and the layer's next call failed)."""
+    made = []
+    while "__rank1_base__" not in cls.__dict__:
+        made.append(cls)
+        cls = cls.__bases__[0]
+    reverted = cls.__rank1_base__
+    for later in reversed(made):
+        own = {k: v for k, v in later.__dict__.items() if k not in ("__dict__", "__weakref__")}
+        reverted = type(later.__name__.replace(cls.__name__, reverted.__name__), (reverted,), own)
+    return reverted
+
+
 class ConvertedLayer(nn.Module):
     """Mixin base of every layer bayesify converts; found by ``isinstance`` by the model-level helpers.
 
@@ -490,7 +506,7 @@ class ConvertedLayer(nn.Module):
         state = self.__dict__.pop("rank1_state", None)
         if state is not None and state.load_hook is not None:
             self._load_state_dict_pre_hooks.pop(state.load_hook, None)
-        self.__class__ = type(self).__rank1_base__
+        self.__class__ = _reverted_class(type(self))
         return self
 
     # ---- plumbing ---------------------------------------------------------------------------
