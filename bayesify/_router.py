@@ -60,6 +60,7 @@ __all__ = ["ForwardState", "RouteSpec", "Router", "is_example_list", "member_row
 
 
 _in_flight = threading.local()  # .routers: the routers of the converted models whose forward runs on this thread
+_CLAIM = threading.Lock()  # a pass's claim on its model's routing: looked at and taken at once
 
 
 def _passes_in_flight() -> list[Router]:
@@ -120,6 +121,10 @@ class Router:
     tiled_rows: dict = field(default_factory=dict)
     # the root's inputs that hold no batch (options.unbatched_inputs): their positions and their keyword names
     unbatched: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
+    # the thread of the pass in flight, and of each mode() in force (eagerly): the routing of a pass is the model's,
+    # so another thread's pass or mode() would route this one's rows (a plain eval call returned mode()'s member)
+    thread: int | None = None
+    override_threads: list[int] = field(default_factory=list)
 
     def __getstate__(self) -> dict[str, Any]:
         # the forward pass in flight is not state to copy or save: after torch.export or torch.compile
@@ -132,7 +137,7 @@ class Router:
         state["root_ref"] = self.root
         # a mode() is the caller's block around this model: a copy (or a saved model) made inside it leaves it behind,
         # as the block's exit would not reach the copy
-        state["overrides"] = []
+        state["overrides"], state["override_threads"], state["thread"] = [], [], None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -373,7 +378,30 @@ class Router:
                 f"bayesify.convert(model) on the {type(root).__name__} adopts it."
             )
 
+    def claim(self, what: str) -> None:
+        """Refuse, in one line, ``what`` (a forward pass, a ``mode()``) on this thread while another thread's pass or
+        ``mode()`` uses the model's routing, which one model holds for one pass at a time; else this thread's."""
+        me = threading.get_ident()
+        with _CLAIM:
+            other = self.thread is not None and self.thread != me and self.active
+            if other or any(thread != me for thread in self.override_threads):
+                raise RuntimeError(
+                    f"{what} of a converted {type(self.root).__name__ if self.root is not None else 'model'} started on "
+                    "one thread while another thread's forward pass or bayesify.mode() uses the model: a converted model "
+                    "routes one pass at a time (its routing and mode() are the model's, not the thread's); give each "
+                    "thread its own copy (copy.deepcopy(model)) or serialise the calls (a threading.Lock)."
+                )
+            if what != "mode()":
+                self.thread = me
+
+    def owns_pass(self) -> bool:
+        """Whether the pass in flight (if any) is this thread's: the root's post-hook of a pass refused by
+        :meth:`claim` leaves the other thread's pass alone."""
+        return torch.compiler.is_compiling() or self.thread is None or self.thread == threading.get_ident()
+
     def _enter(self) -> None:
+        if not torch.compiler.is_compiling():
+            self.claim("a forward pass")
         self.active = True
         if not torch.compiler.is_compiling():
             passes = _passes_in_flight()
@@ -508,6 +536,8 @@ class Router:
                 if passes[i] is self:
                     del passes[i]
                     break
+            if not any(router is self for router in passes):
+                self.thread = None
         state = self.state
         if state is None:
             return output

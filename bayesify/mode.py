@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from typing import Any, Iterator
 
@@ -71,11 +72,15 @@ def mode(
     parsed = None if task is None and class_axis is None else resolve_task(task or "classification", class_axis=class_axis)
     if parsed is not None:  # said of a Hugging Face model as a whole: its logits' task, its loss still recomputed
         parsed = said_of_model(parsed, state.current_task())
+    if not torch.compiler.is_compiling():
+        router.claim("mode()")
     router.overrides.append(RouteSpec(route, noise, samples, parsed, component))
+    router.override_threads.append(threading.get_ident())
     try:
         yield
     finally:
         router.overrides.pop()
+        router.override_threads.pop()
 
 
 def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None = None, **kwargs: Any) -> Any:

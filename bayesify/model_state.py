@@ -172,6 +172,8 @@ class ModelState:
 
     def end(self, root: nn.Module, output: object) -> object:
         """After the root's forward: the mixture's reduction of a tiled output, by the pass's task or the model's."""
+        if not self.router.owns_pass():  # (a pass refused on this thread: another thread's is in flight)
+            return output
         state = self.router.state
         error = sys.exc_info()[1]
         if output is None and error is not None and state is not None and state.members > 1 and self.router.active:

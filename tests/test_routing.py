@@ -813,3 +813,80 @@ def test_a_time_major_models_lengths_of_one_entry_per_example_are_tiled_at_their
             with bayesify.mode(model, component=k, noise=False):
                 members.append(model(x, lengths).softmax(-1))
     torch.testing.assert_close(out, torch.stack(members).mean(0).log())
+
+
+def test_an_output_with_the_member_rows_at_two_axes_says_which_it_took() -> None:
+    # a CTC-style [T, B, C] output of a batch-first model: where T == K x B its time steps were averaged as members,
+    # silently (its batch is found by its size, and the input's axis wins a tie)
+    class CTCNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.fc = nn.GRU(6, 16, batch_first=True), nn.Linear(16, 7)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, F, T] -> [T, B, C]
+            return self.fc(self.rnn(x.transpose(1, 2))[0]).log_softmax(-1).transpose(0, 1)
+
+    model = bayesify.convert(CTCNet(), task="classification", class_axis=-1).eval()
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"member rows at dimensions 0 and 1; bayesify took dimension 0"):
+        model(torch.randn(2, 6, 8))  # T = 8 = K x B
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert model(torch.randn(2, 6, 10)).shape == (10, 2, 7)  # T != K x B: found at its size
+
+
+def test_another_threads_pass_or_mode_is_refused_not_routed_through_this_ones() -> None:
+    # the routing and mode() are the model's: a plain evaluation call on one thread while another thread was inside
+    # mode(component=1) returned member 1 (300 of 300 calls), and concurrent passes failed with misleading errors
+    import threading
+
+    torch.manual_seed(0)
+    model = bayesify.convert(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), task="classification",
+                             init="normal", init_mean_std=0.3).eval()  # fmt: skip
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        mixture = model(x)
+    inside, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with bayesify.mode(model, component=1, noise=False):
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(RuntimeError, match=r"another thread's forward pass or bayesify.mode\(\) uses the model: .*"
+                                               r"copy.deepcopy\(model\)"), torch.no_grad():  # fmt: skip
+            model(x)
+        with pytest.raises(RuntimeError, match="another thread"):
+            with bayesify.mode(model, component=0):
+                pass
+        twin = __import__("copy").deepcopy(model)  # (a copy made meanwhile leaves the other thread's mode behind)
+        with torch.no_grad():
+            torch.testing.assert_close(twin(x), mixture)
+    finally:
+        leave.set()
+        thread.join()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), mixture)  # the thread gone: the model is this thread's again
+
+    # concurrent passes: each call gives the mixture, or is refused in that line; never another thread's routing
+    from concurrent.futures import ThreadPoolExecutor
+
+    inputs = [torch.randn(n, 8) for n in (3, 5, 7, 9)]
+    with torch.no_grad():
+        expected = [model(v) for v in inputs]
+
+    def serve(i: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model(inputs[i % 4])
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(serve, i) for i in range(200)]
+    for i, future in enumerate(futures):
+        error = future.exception()
+        if error is None:
+            torch.testing.assert_close(future.result(), expected[i % 4])
+        else:
+            assert isinstance(error, RuntimeError) and "another thread" in str(error), error

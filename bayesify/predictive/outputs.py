@@ -19,7 +19,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten_with_path, tree_unflatten
 
 from bayesify.mixture import split_members
-from bayesify.predictive.libraries import PAIRWISE_OUTPUTS, infer_task
+from bayesify.predictive.libraries import PAIRWISE_OUTPUTS, huggingface_model, infer_task
 from bayesify.predictive.tasks import (
     Auto,
     Binary,
@@ -135,6 +135,8 @@ def reduce_output(
         stacked = t.movedim(dim, 0) if axis is None else split_members(t, members, dim)
         found = leaf_task(task, key, model, stacked.shape[1:], members)  # (a shape: no op to take one)
         check_leaf(found, key, model, stacked.shape[1:], None if axis is None else dim)
+        if axis is not None:
+            _warn_two_row_axes(model, t, dim, members * batch, found, stacked.shape[1:])
         if found is task and isinstance(task, (Classification, Binary, Gaussian)):
             as_logits.append((key, tuple(stacked.shape[1:])))  # (a member's shape: what the user's model returns)
             if isinstance(task, Gaussian) and len(as_logits) > 1:  # a (mean, log_var) tuple: two heads of D / 2 each
@@ -230,6 +232,25 @@ def _refuse_rows(model: nn.Module, t: Tensor, members: int, batch: int, axis: in
         "[T, B] sequence), say so with bayesify.convert(model, batch_dim=...); if an input with one entry per "
         "example is a list (pack_padded_sequence's lengths), pass it as a tensor: only tensors are tiled; an input "
         "that holds no batch (nn.EmbeddingBag's 1-D tokens with offsets) cannot be told from: pass [B, L] tokens."
+    )
+
+
+def _warn_two_row_axes(model: nn.Module, t: Tensor, dim: int, rows: int, task: Task, member: torch.Size) -> None:
+    """Say which axis an output with two axes of the member rows was reduced at: the input's, which is right for a
+    batch-first output whose length is K x B by chance, and wrong for one that puts its batch elsewhere (a
+    time-major [T, B, C] output of a batch-first model with T == K x B: its time steps averaged as members). A
+    sequence output only (3 axes or more; a class axis is no batch), and not a Hugging Face model's (batch-first)."""
+    if t.dim() < 3 or list(t.shape).count(rows) < 2 or huggingface_model(model) is not None:
+        return
+    classes = task.axis(member) if isinstance(task, Classification) else None
+    others = [i for i, size in enumerate(t.shape) if size == rows and i not in (dim, classes)]
+    if not others:
+        return
+    warnings.warn(
+        f"the output of shape {tuple(t.shape)} of {type(model).__name__} has the pass's {rows} member rows at "
+        f"dimensions {dim} and {others[0]}; bayesify took dimension {dim}, where the input holds its batch. If the "
+        f"output holds its batch at dimension {others[0]} (a time-major [T, B, C] output), return it batch-first.",
+        stacklevel=4,
     )
 
 
