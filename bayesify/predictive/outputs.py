@@ -239,11 +239,14 @@ def _warn_two_row_axes(model: nn.Module, t: Tensor, dim: int, rows: int, task: T
     """Say which axis an output with two axes of the member rows was reduced at: the input's, which is right for a
     batch-first output whose length is K x B by chance, and wrong for one that puts its batch elsewhere (a
     time-major [T, B, C] output of a batch-first model with T == K x B: its time steps averaged as members). A
-    sequence output only (3 axes or more; a class axis is no batch), and not a Hugging Face model's (batch-first)."""
-    if t.dim() < 3 or list(t.shape).count(rows) < 2 or huggingface_model(model) is not None:
+    sequence output only (3 axes; a class axis is no batch), and not a Hugging Face model's (batch-first)."""
+    if t.dim() != 3 or rows < 2 or list(t.shape).count(rows) < 2 or huggingface_model(model) is not None:
+        return
+    if callable(getattr(model, "rank1_output_axes", None)):  # a converted layer as the model: it states its axes
         return
     classes = task.axis(member) if isinstance(task, Classification) else None
-    others = [i for i, size in enumerate(t.shape) if size == rows and i not in (dim, classes)]
+    # (a [T, B, C] / [B, T, C] layout: the batch at 0 or 1; the last axis holds features or classes, never the batch)
+    others = [i for i in (0, 1) if t.shape[i] == rows and i not in (dim, classes)]
     if not others:
         return
     warnings.warn(
