@@ -303,12 +303,13 @@ class Router:
         """
         self._foreign_call(layer)
         training = True if layer is None else layer.training
-        # the route is the root's train / eval state, as in its own pass (a frozen backbone put in eval in a training
-        # step routes as the step does, at its posterior means); the layer's own state says whether it samples
+        # the training route where the layer or the root trains (a frozen backbone put in eval in a training step
+        # routes as the step does, at its posterior means; a head trained by itself while the root is in eval, on
+        # cached features, samples); evaluation's where both are in eval. The layer's own state says whether it samples
         root = self.root
-        root_training = training if root is None else root.training
-        spec = self.resolve(root_training)
-        noise = spec.noise if training == root_training else self.default_noise(training, spec.samples)
+        routed = training or (root is not None and root.training)  # evaluation's route where both are in eval only
+        spec = self.resolve(routed)
+        noise = spec.noise if training == routed else self.default_noise(training, spec.samples)
         common = dict(noise=noise, per_block=self.options.sampling is Sampling.COMPONENT, layer=layer)
         if spec.route is Route.COMPONENT:
             rows = torch.full((n,), spec.component, dtype=torch.long, device=device)
@@ -388,8 +389,9 @@ class Router:
                 raise RuntimeError(
                     f"{what} of a converted {type(self.root).__name__ if self.root is not None else 'model'} started on "
                     "one thread while another thread's forward pass or bayesify.mode() uses the model: a converted model "
-                    "routes one pass at a time (its routing and mode() are the model's, not the thread's); give each "
-                    "thread its own copy (copy.deepcopy(model)) or serialise the calls (a threading.Lock)."
+                    "routes one pass at a time (its routing and mode() are the model's, not the thread's): enter mode() "
+                    "on the thread that runs the pass (a generate in a Thread: inside its target), give each thread its "
+                    "own copy (copy.deepcopy(model)), or serialise the calls (a threading.Lock)."
                 )
             if what != "mode()":
                 self.thread = me

@@ -766,10 +766,13 @@ def test_a_sub_module_put_in_eval_in_a_training_model_is_called_as_the_training_
         for k, rows in ((0, slice(0, 3)), (1, slice(3, 6))):
             with bayesify.mode(model, component=k, noise=False):
                 torch.testing.assert_close(out[rows], model[0](x[rows]))
-    model.eval()
-    model[0].train()  # the root in evaluation: the mixture, which a part's call cannot reduce
+    model.eval()  # the root and the part in evaluation: the mixture, which a part's call cannot reduce
     with pytest.raises(RuntimeError, match="called outside the forward pass"), torch.no_grad():
-        model[0](x)
+        model[1](torch.randn(6, 8))
+    model[1].train()  # a head trained by itself on cached features while the root stays in eval: it samples
+    out = model[1](torch.randn(6, 8))
+    out.sum().backward()
+    assert model[1].rank1_s.loc.grad is not None
 
 
 @pytest.mark.parametrize("how", ["weight_norm", "custom"])

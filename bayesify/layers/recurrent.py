@@ -167,7 +167,9 @@ class _Rank1Recurrent(Rank1Layer):
         if not router.active or state is None or state.axis is None:
             return
         rows = state.rows.shape[0]
-        if batch == rows or steps != rows:
+        if steps != rows or batch % rows == 0:
+            # (m x B rows, each example's m in a run: a word RNN over every sentence of each example, a column RNN
+            # over an image's rows, whose length is the batch by chance, routes as documented)
             return
         hint = router.batch_dim_hint(batch)
         raise ValueError(

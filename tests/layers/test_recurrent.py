@@ -527,6 +527,22 @@ def test_a_time_major_model_left_at_batch_dim_0_is_refused_at_its_recurrent_laye
     said = bayesify.convert(_TimeMajorTagger().to(DT), components=K, task="classification", class_axis=-1, batch_dim=1)
     assert said.eval()(x).shape == (6, B, 5)
 
+    # m x B rows whose length is the pass's rows by chance route as documented (a word RNN over each sentence)
+    class Hierarchical(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.word, self.sent = nn.GRU(F_IN, H, batch_first=True), nn.GRU(H, H, batch_first=True)
+            self.fc = nn.Linear(H, 3)
+
+        def forward(self, x: Tensor) -> Tensor:  # [B, S, W, F]
+            b, s, w, f = x.shape
+            words = self.word(x.reshape(b * s, w, f))[1][-1].reshape(b, s, -1)
+            return self.fc(self.sent(words)[1][-1])
+
+    han = bayesify.convert(Hierarchical().to(DT), components=K, task="classification")
+    han.train()(torch.randn(8, 4, 8, F_IN, dtype=DT))  # W == B
+    assert han.eval()(torch.randn(2, 4, 8, F_IN, dtype=DT)).shape == (2, 3)  # W == K x B
+
 
 def test_an_initial_state_given_with_as_many_layers_as_examples_is_each_examples() -> None:
     # h0 [layers, B, H] of a batch-first model: where the layers number the batch, evaluation tiled h0 at its layers
