@@ -33,7 +33,7 @@ from bayesify.mode import predict
 from bayesify.model_state import model_state
 from bayesify.predictive.libraries import padding_targets, predicts_next_token, with_decoder_inputs
 from bayesify.predictive.outputs import check_leaf, described, leaf_task, rows_axis, selected_output
-from bayesify.predictive.tasks import Classification, Task
+from bayesify.predictive.tasks import Auto, Classification, Task
 
 __all__ = [
     "collect_members",
@@ -155,7 +155,7 @@ def _collect_members(
         # batches join along their examples: a time-major output [T, B, C] (batch_dim=1) at B, not at T (which
         # joined batches of one size, and a smaller last batch failed); where T == B, at the input's batch_dim
         examples = model_state(model).router.state.batch if converted else None
-        out_axis = 0 if examples is None else rows_axis(members[0], batch_dim, examples)
+        out_axis = 0 if examples is None else _examples_axis(members.shape[1:], batch_dim, examples, task, key, model)
         target_axis = None if y is None or examples is None else rows_axis(y, batch_dim, examples)
         axes.add((out_axis or 0, target_axis))
         outputs.append(members.float().cpu())
@@ -176,6 +176,18 @@ def _collect_members(
     out_axis, target_axis = axes.pop()
     joined = torch.cat(targets, target_axis or 0) if targets else torch.empty(0)
     return torch.cat(outputs, 1 + out_axis), joined, key
+
+
+def _examples_axis(shape: torch.Size, batch_dim: int, examples: int, task: Task | None, key: object, model: nn.Module) -> int:
+    """The axis of a member's output ``shape`` that holds the pass's ``examples``: the input's ``batch_dim`` where it
+    has that size, else the one other axis of that size; a classifier's class axis never (a time-major RNN's last
+    step ``[B, C]`` with B == C, batch_dim=1, was joined at its classes)."""
+    classes = None
+    if task is not None and not isinstance(task, Auto):
+        scored = leaf_task(task, key, model)
+        classes = scored.axis(shape) if isinstance(scored, Classification) and len(shape) else None
+    found = [i for i, size in enumerate(shape) if size == examples and i != classes]
+    return batch_dim if batch_dim in found else (found[0] if found else 0)
 
 
 def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) -> tuple[object, Tensor | None]:

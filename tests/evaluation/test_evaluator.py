@@ -335,3 +335,25 @@ def test_a_time_major_output_joins_its_batches_at_their_examples_not_their_posit
     members, targets = bayesify.evaluation.collect_members(model, DataLoader(sets["set"], batch_size=4, collate_fn=collate))
     assert members.shape == (2, 7, 10, 3) and targets.shape == (7, 10)
     assert torch.equal(targets, y.T)
+
+
+def test_a_time_major_models_last_step_joins_at_its_examples_when_the_batch_is_the_number_of_classes():
+    # [B, C] with B == C (batch_dim=1): the batches were joined at the class axis (refused: targets do not fit)
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class LastStep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.fc = nn.GRU(5, 8), nn.Linear(8, 4)
+
+        def forward(self, x):  # [T, B, 5] -> [B, 4]
+            return self.fc(self.rnn(x)[0][-1])
+
+    def collate(items):
+        return torch.stack([a for a, _ in items], 1), torch.stack([b for _, b in items])
+
+    torch.manual_seed(0)
+    x, y = torch.randn(12, 6, 5), torch.randint(4, (12,))
+    model = bayesify.convert(LastStep(), task="classification", batch_dim=1, components=2)
+    nll = [evaluate(model, DataLoader(TensorDataset(x, y), batch_size=size, collate_fn=collate))["nll"] for size in (3, 4, 8)]
+    assert nll[1] == pytest.approx(nll[0], rel=1e-5) and nll[2] == pytest.approx(nll[0], rel=1e-5)
