@@ -182,7 +182,8 @@ class ModelState:
                 f"bayesify: {type(root).__name__} ran this pass on its tiled batch, each of the {state.batch} examples "
                 f"given {state.members} times (one row per member: {state.members * state.batch} rows); the input "
                 f"as given had shape {tuple(state.input_shape) if state.input_shape is not None else '?'}. Every input "
-                f"with {state.batch} entries at dimension {state.axis} was tiled: one that holds no batch and has that "
+                f"with {state.batch} entries at dimension {state.axis} was tiled (with batch_dim > 0, a 1-D one of "
+                "that size too, where the first input has it once): one that holds no batch and has that "
                 "size by chance (a [T, T] attention mask, an RNN's initial state [layers, B, H]) is named in "
                 "bayesify.convert(model, unbatched_inputs=[...])."
             )

@@ -890,3 +890,26 @@ def test_another_threads_pass_or_mode_is_refused_not_routed_through_this_ones() 
             torch.testing.assert_close(future.result(), expected[i % 4])
         else:
             assert isinstance(error, RuntimeError) and "another thread" in str(error), error
+
+
+def test_a_one_dimensional_input_of_the_batchs_size_is_not_tiled_where_the_time_steps_have_that_size_too() -> None:
+    # a [T] vector of the time steps with T == B (batch_dim=1) was tiled as if it held the examples: 0.35 off
+    class TimeMajor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.fc = nn.GRU(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.rnn(x[: int(valid.sum())])[0].mean(0))
+
+    torch.manual_seed(0)
+    model = bayesify.convert(TimeMajor(), task="classification", batch_dim=1, init="normal", init_mean_std=0.3).eval()
+    x, valid = torch.randn(4, 4, 6), torch.tensor([True, True, False, False])
+    x[2:] = 100.0
+    with torch.no_grad():
+        out = model(x, valid)
+        members = []
+        for k in range(4):
+            with bayesify.mode(model, component=k, noise=False):
+                members.append(model(x, valid).softmax(-1))
+    torch.testing.assert_close(out, torch.stack(members).mean(0).log())
