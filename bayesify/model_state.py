@@ -128,6 +128,7 @@ class ModelState:
             # (first of the root's forward hooks: one registered before convert sees the reduced output too)
             root.register_forward_hook(_post_hook, with_kwargs=True, always_call=True, prepend=True),
             root.register_load_state_dict_pre_hook(_load_hook),
+            root.register_state_dict_post_hook(_save_hook),
         ]
         _weight_decay.install(root)  # timm's optimizer factory: no weight decay on the rank-1 parameters
 
@@ -228,22 +229,35 @@ def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> 
 
 def _load_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     # (local_metadata, strict, missing_keys, unexpected_keys, error_msgs): see variational/store.load_tables
-    _refuse_another_meaning(module, state_dict, prefix)
+    _refuse_another_meaning(module, state_dict, prefix, args[0])
     store.load_tables(module.__dict__[ATTRIBUTE].draws.groups, state_dict, prefix, error_msgs=args[-1])
 
 
-def _refuse_another_meaning(root: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+def _save_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict) -> None:
+    """What each layer's saved rank-1 values mean, in the root's own metadata: a root loaded inside another module
+    (a wrapper, a Lightning module) gets its local metadata only, not its layers' (torch hands a child's pre-hook a
+    dict without them)."""
+    local_metadata["rank1_meanings"] = {
+        name: layer.rank1_state.options.meaning for name, layer in module.named_modules() if "rank1_state" in layer.__dict__
+    }
+
+
+def _refuse_another_meaning(root: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict) -> None:
     """Refuse in one line, before anything loads (the root's pre-hook runs first), a checkpoint whose rank-1 values
     mean something else in this model: saved under another ``perturbation`` or ``posterior`` (each layer's
-    ``meaning`` in the state dict's metadata; a format without it, safetensors, loads unchecked). The layers' own
-    pre-hooks keep the check for a layer loaded on its own."""
+    ``meaning``, in the root's metadata, or in the layers' of a checkpoint saved before it was kept there; a format
+    without metadata, safetensors, loads unchecked). The layers' own pre-hooks keep the check for a layer loaded on
+    its own."""
+    meanings = local_metadata.get("rank1_meanings") if isinstance(local_metadata, dict) else None
     metadata = getattr(state_dict, "_metadata", None)
-    if not metadata:
+    if not meanings and not metadata:
         return
     for name, layer in root.named_modules():
         state = layer.__dict__.get("rank1_state")
         key = prefix + name if name else prefix[:-1]
-        saved = metadata.get(key, {}).get("rank1") if state is not None else None
+        if state is None:
+            continue
+        saved = meanings.get(name) if meanings else (metadata or {}).get(key, {}).get("rank1")
         if not saved or not any(k.startswith(f"{key}.rank1_" if key else "rank1_") for k in state_dict):
             continue
         now = state.options.meaning

@@ -627,6 +627,21 @@ def test_a_checkpoint_of_another_perturbation_or_posterior_is_refused_and_leaves
     delta = bayesify.convert(net(), task="classification", posterior="delta")  # (a normal checkpoint's rho: no key here)
     with pytest.raises(ValueError, match="posterior='normal'.*posterior='delta'"):
         delta.load_state_dict(saved["multiplicative"])
+    # the model inside another module (a Lightning module's self.model): torch hands the root a dict without its
+    # layers' metadata; the root's own carries their meanings (the network's weights loaded before the error)
+    class Wrapper(nn.Module):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model, self.extra = model, nn.Linear(2, 2)
+
+    buffer = io.BytesIO()
+    torch.save(Wrapper(bayesify.convert(net(), task="classification", perturbation="additive")).state_dict(), buffer)
+    buffer.seek(0)
+    wrapped = Wrapper(bayesify.convert(net(), task="classification"))
+    kept = {k: v.clone() for k, v in wrapped.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^the checkpoint's rank-1 values \(of model.0, .*perturbation='additive'"):
+        wrapped.load_state_dict(torch.load(buffer))
+    assert all(torch.equal(v, wrapped.state_dict()[k]) for k, v in kept.items())
     # a layer loaded on its own: its own pre-hook keeps the check (torch's error, the layer's values kept)
     layer = bayesify.convert(net(), task="classification", posterior="cauchy", prior="cauchy")[0].state_dict()
     with pytest.raises(RuntimeError, match="posterior='cauchy'"):
