@@ -475,7 +475,8 @@ class Router:
         if axes is None:
             axes = [(0 if t is first else None) if axis is None else axis for t in leaves]
 
-        unambiguous = shape is not None and list(shape).count(batch) == 1
+        def unambiguous() -> bool:  # (asked only of a 1-D leaf: no guard on the sizes in a compiled pass otherwise)
+            return shape is not None and list(shape).count(batch) == 1
 
         def tile_leaf(t: object, dim: int | None) -> object:
             if isinstance(t, PackedSequence):
@@ -486,7 +487,7 @@ class Router:
                 return t.unsqueeze(dim).expand(*t.shape[:dim], members, *t.shape[dim:])
             if t.dim() > dim and t.shape[dim] == batch:
                 return tile(t, members, dim)
-            if t.dim() == 1 and dim > 0 and t.shape[0] == batch and layer is None and unambiguous:
+            if t.dim() == 1 and dim > 0 and layer is None and t.shape[0] == batch and unambiguous():
                 # one entry per example where the batch lies at another dimension (a time-major model's sequence
                 # lengths [B], batch_dim=1): its one dimension is the batch's. Not where the first input has the
                 # batch's size at another dimension too (T == B: a [T] vector of the time steps looks the same)

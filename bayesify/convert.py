@@ -354,6 +354,7 @@ def _finish(model: nn.Module, state: ModelState, names: list[str], skipped: dict
     state.report.skipped.update(skipped)
     if not is_root(model):
         state.attach(model, root_layout=isinstance(model, ConvertedLayer))
+    state.hook_bags(model)  # (an nn.EmbeddingBag's flat form in a tiled pass)
     # the factors and bias offsets not in a group yet, in groups drawn together once per pass (each stays its
     # layer's own Parameter); the layers' takes are learnt again with them
     store.pack(model, [layer for _, layer in rank1_layers(model)], state.draws.groups)

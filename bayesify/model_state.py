@@ -19,6 +19,7 @@ output to the task's reduction (:meth:`Router.end`).
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -132,6 +133,14 @@ class ModelState:
         ]
         _weight_decay.install(root)  # timm's optimizer factory: no weight decay on the rank-1 parameters
 
+    def hook_bags(self, root: nn.Module) -> None:
+        """Install :func:`_retile_flat_bag` on every ``nn.EmbeddingBag`` of ``root`` (converted or not) that has it not
+        yet; the handles go with the root's, so ``revert`` removes them."""
+        for module in root.modules():
+            hooked = any(getattr(h, "func", None) is _retile_flat_bag for h in module._forward_pre_hooks.values())
+            if isinstance(module, nn.EmbeddingBag) and not hooked:
+                self.handles.append(module.register_forward_pre_hook(functools.partial(_retile_flat_bag, self)))
+
     def detach(self, root: nn.Module) -> None:
         """Remove what :meth:`attach` installed on ``root``, and this state itself."""
         for handle in self.handles:
@@ -225,6 +234,26 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> object:
     return module.__dict__[ATTRIBUTE].end(module, output)
+
+
+def _retile_flat_bag(state: ModelState, bag: nn.Module, args: tuple) -> tuple | None:
+    """An ``nn.EmbeddingBag`` called in its flat form (1-D tokens, one offset per bag) in a tiled pass whose batch
+    came from another input (a recommender's dense features): the pass tiled the offsets, which have one entry per
+    example, and not the tokens, so every member looked up the first member's tokens at offsets out of order (a
+    mixture 0.4 off, silently). The members' tokens are tiled too and each member's offsets moved to its copy."""
+    router = state.router
+    members = router.tiles
+    if members < 2 or len(args) < 2 or bag.include_last_offset:
+        return None
+    tokens, offsets = args[0], args[1]
+    batch = router.state.batch
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or not isinstance(offsets, torch.Tensor):
+        return None
+    if offsets.dim() != 1 or offsets.shape[0] != members * batch or tokens.shape[0] == members * batch:
+        return None
+    shift = torch.arange(members, device=offsets.device).repeat_interleave(batch) * tokens.shape[0]
+    rest = tuple(a.repeat(members) if isinstance(a, torch.Tensor) and a.shape == tokens.shape else a for a in args[2:])
+    return (tokens.repeat(members), offsets + shift.to(offsets.dtype), *rest)
 
 
 def _load_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:

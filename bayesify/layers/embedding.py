@@ -43,11 +43,11 @@ from bayesify.variational.divergence import KLTerm
 __all__ = ["GaussianEmbedding"]
 
 
-# nn.EmbeddingBag's flat form (1-D tokens, one offset per bag): its batch is len(offsets), which bayesify cannot read
-# from the model's inputs (it took the tokens as the batch: every bag through one component, evaluation refused)
+# nn.EmbeddingBag's flat form (1-D tokens, one offset per bag) in a sampled predictive: each member draws a table for
+# its own bags, which the flat tokens do not say
 _FLAT_BAGS = (
-    "{name} got 1-D tokens with offsets: bayesify reads the batch from the model's inputs, and "
-    "this form holds none (the bags are len(offsets)); pass [B, L] tokens, padded with the layer's padding_idx."
+    "{name} got 1-D tokens with offsets in a sampled predictive (a table drawn per member, for its own bags): pass "
+    "[B, L] tokens, padded with the layer's padding_idx, or evaluate at the posterior means (noise=False)."
 )
 
 
@@ -98,11 +98,13 @@ class GaussianEmbedding(ConvertedLayer):
 
     def forward(self, input: Tensor, *args: object, **kwargs: object) -> Tensor:
         self.rank1_check()  # (it asks for no draw, where the other families are checked)
-        if isinstance(self, nn.EmbeddingBag) and input.dim() == 1:
-            raise ValueError(_FLAT_BAGS.format(name=self.rank1_state.model.router.layer_name(self)))
         base = type(self).__rank1_base__
-        if not self.rank1_state.model.router.noise_for(self.training):
+        router = self.rank1_state.model.router
+        if not router.noise_for(self.training):
             return base.forward(self, input, *args, **kwargs)
+        if isinstance(self, nn.EmbeddingBag) and input.dim() == 1 and router.tiles > 1:
+            # (a table per member, each for its own bags: the flat form's tokens are not the members' rows)
+            raise ValueError(_FLAT_BAGS.format(name=router.layer_name(self)))
         if torch.compiler.is_compiling() and not self.sparse:
             return self._rank1_lookup(input, self._rank1_sampled_table(input), self.padding_idx, args, kwargs)
         weight = self._parameters["weight"]

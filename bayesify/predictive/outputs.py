@@ -240,7 +240,9 @@ def _warn_two_row_axes(model: nn.Module, t: Tensor, dim: int, rows: int, task: T
     batch-first output whose length is K x B by chance, and wrong for one that puts its batch elsewhere (a
     time-major [T, B, C] output of a batch-first model with T == K x B: its time steps averaged as members). A
     sequence output only (3 axes; a class axis is no batch), and not a Hugging Face model's (batch-first)."""
-    if t.dim() != 3 or rows < 2 or list(t.shape).count(rows) < 2 or huggingface_model(model) is not None:
+    if torch.compiler.is_compiling() or t.dim() != 3 or rows < 2 or list(t.shape).count(rows) < 2:
+        return  # (not traced: the sizes' comparison would guard a compiled graph on them)
+    if huggingface_model(model) is not None:
         return
     if callable(getattr(model, "rank1_output_axes", None)):  # a converted layer as the model: it states its axes
         return

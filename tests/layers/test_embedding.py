@@ -71,14 +71,38 @@ def test_embedding_bag_mean_is_torchs(mode: str, layout: str) -> None:
     assert model(*args).shape == expected.shape
 
 
-def test_embedding_bags_of_flat_tokens_with_offsets_are_refused_naming_the_padded_form() -> None:
-    # the batch of the 1-D form is len(offsets), which bayesify cannot read from the inputs: it took the tokens as the
-    # batch (every bag through one component in training, a misleading warning; evaluation refused naming batch_dim)
-    model = bayesify.convert(Bag(mode="mean"), embeddings=True, task="regression")
-    tokens, offsets = torch.randint(0, 12, (7,)), torch.tensor([0, 3, 5])
-    for training in (True, False):
-        with pytest.raises(ValueError, match=r"^Rank1EmbeddingBag 'bag' got 1-D tokens with offsets: .* pass \[B, L\] tokens"):
-            model.train(training)(tokens, offsets)
+class _Recommender(nn.Module):
+    """A dense input (the batch) and a bag of tokens per example in the flat form (1-D tokens and offsets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag, self.dense, self.top = nn.EmbeddingBag(50, 8, mode="mean"), nn.Linear(4, 8), nn.Linear(16, 2)
+
+    def forward(self, dense: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.top(torch.cat([self.dense(dense), self.bag(tokens, offsets)], 1))
+
+
+@pytest.mark.parametrize("embeddings", [False, True])
+def test_embedding_bags_of_flat_tokens_with_offsets_are_each_members_in_evaluation(embeddings: bool) -> None:
+    # the pass tiled the offsets (one per example) and not the tokens: every member looked up the first member's
+    # tokens at offsets out of order, a mixture 0.4 off, silently; a sampled predictive of Gaussian embeddings draws
+    # a table per member for its own bags, which the flat form does not say: refused naming [B, L] tokens
+    torch.manual_seed(0)
+    model = bayesify.convert(_Recommender().to(DT), task="classification", embeddings=embeddings, init="normal",
+                             init_mean_std=0.3)  # fmt: skip
+    dense, tokens, offsets = torch.randn(3, 4, dtype=DT), torch.randint(1, 50, (6,)), torch.tensor([0, 2, 4])
+    model.train()(dense, tokens, offsets).sum().backward()  # (the batch from the dense input: routed as any)
+    model.eval()
+    with torch.no_grad():
+        out = model(dense, tokens, offsets)
+        members = []
+        for k in range(4):
+            with bayesify.mode(model, component=k, noise=False):
+                members.append(model(dense, tokens, offsets).softmax(-1))
+    torch.testing.assert_close(out, torch.stack(members).mean(0).log())
+    if embeddings:
+        with pytest.raises(ValueError, match=r"got 1-D tokens with offsets in a sampled predictive .* \[B, L\] tokens"):
+            bayesify.predict(model, dense, tokens, offsets, samples=2)
 
 
 def test_one_table_sample_per_forward_with_the_posterior_std() -> None:
