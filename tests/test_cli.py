@@ -128,7 +128,9 @@ def test_corruptions_need_images_and_resume_keeps_the_model(tmp_path, capsys):
                      "--no-progress"]) == 0  # fmt: skip
     capsys.readouterr()
     assert cli.main(["train", "--out", str(tmp_path / "two"), "--resume", "--epochs", "1"]) == 2
-    assert "--epochs 1 is fewer than the 2 epochs the run" in capsys.readouterr().err
+    assert "--epochs 1 is not more than the 2 epochs the run" in capsys.readouterr().err
+    assert cli.main(["train", "--out", str(tmp_path / "two"), "--resume", "--epochs", "2"]) == 2  # (it trained nothing)
+    assert "--epochs 2 is not more than the 2 epochs the run" in capsys.readouterr().err
     # so is a --max-steps the run has reached (it trained nothing and logged the same evaluation again)
     assert cli.main(["train", "--out", str(tmp_path / "bc"), "--resume", "--max-steps", "2"]) == 2
     assert "--max-steps 2 is not more than the 2 steps the run" in capsys.readouterr().err

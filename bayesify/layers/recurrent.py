@@ -184,7 +184,8 @@ class _Rank1Recurrent(Rank1Layer):
         layers (an ``h0`` given to a batch-first model whose layers happen to number its batch: ``[K x L, B, H]``):
         its first copy, which this layer then tiles at its batch (every copy is the same)."""
         tiles = self.rank1_state.model.router.tiles
-        if tiles > 1 and state.shape[0] == count * tiles and state.shape[1] * tiles == batch and count * tiles != count:
+        # (its batch as given, or already each member's: a state carried from a tiled pass, [L, K x B, H])
+        if tiles > 1 and state.shape[0] == count * tiles and state.shape[1] in (batch, batch // tiles):
             return state[:count]
         return state
 

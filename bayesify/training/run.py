@@ -329,9 +329,10 @@ def resume_run_config(explicit: dict[str, Any]) -> TrainConfig:
     saved = checkpoint["config"]
     before, after = TrainConfig.from_dict(saved), TrainConfig.from_dict({**saved, **explicit, "resume": True})
     trained = int(checkpoint.get("epoch", 0))
-    if "epochs" in explicit and after.epochs < trained:
+    ended = int(checkpoint.get("batch", 0)) == 0  # (at an epoch's end: --epochs equal to those trains nothing)
+    if "epochs" in explicit and (after.epochs < trained or (ended and after.epochs == trained)):
         raise ValueError(
-            f"--epochs {after.epochs} is fewer than the {trained} epochs the run in {out} has trained; resume with "
+            f"--epochs {after.epochs} is not more than the {trained} epochs the run in {out} has trained; resume with "
             f"--epochs {trained + 1} or more to train on (bayesify evaluate --out {out} evaluates it as it is)."
         )
     taken = int(checkpoint.get("step", 0))

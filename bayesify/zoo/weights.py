@@ -107,7 +107,8 @@ def load_start_weights(model: nn.Module, path: str | os.PathLike) -> nn.Module |
     if problems:
         raise ValueError(
             f"--weights {path} does not fit {type(holder).__name__}: keys {'; '.join(problems)}; the file must hold "
-            "this model's state_dict (the same architecture, input channels and number of classes)."
+            "this model's state_dict (the same architecture and input channels, and the number of classes but for a "
+            "timm classifier's)."
         )
     holder.load_state_dict({k: v for k, v in state.items() if k not in head_keys}, strict=not head_keys)
     return head

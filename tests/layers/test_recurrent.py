@@ -565,3 +565,29 @@ def test_an_initial_state_given_with_as_many_layers_as_examples_is_each_examples
             with bayesify.mode(model, component=k, noise=False):
                 members.append(model(x, h0).softmax(-1))
         torch.testing.assert_close(model(x, h0), torch.stack(members).mean(0).log())
+
+
+def test_a_state_carried_from_a_tiled_pass_goes_on_per_member_where_the_layers_number_the_batch() -> None:
+    # the README's recipe for a carried state (mode(route="tile")): h [L, K x B, H] fed back was tiled again at its
+    # layers where L == B (torch: "Expected hidden size (1, 3, 4), got [3, 3, 4]")
+    class Stream(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.fc = nn.GRU(F_IN, H, batch_first=True), nn.Linear(H, 5)
+
+        def forward(self, x: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+            out, state = self.rnn(x, state)
+            return self.fc(out), state
+
+    torch.manual_seed(0)
+    model = bayesify.convert(Stream().to(DT), components=K, task={0: "classification", 1: "members"}, class_axis=-1,
+                             init="normal", init_mean_std=0.3).eval()  # fmt: skip
+    first, second = torch.randn(1, 5, F_IN, dtype=DT), torch.randn(1, 6, F_IN, dtype=DT)  # one stream: L == B == 1
+    with torch.no_grad():
+        with bayesify.mode(model, route="tile", noise=False):
+            _, state = model(first)
+            out, _ = model(second, state)
+        for k in range(K):
+            with bayesify.mode(model, component=k, noise=False):
+                _, own = model(first)
+                torch.testing.assert_close(out[k : k + 1], model(second, own)[0])

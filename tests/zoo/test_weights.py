@@ -58,7 +58,7 @@ def test_mismatched_keys_and_shapes_are_named_and_nothing_is_loaded(tmp_path) ->
     assert (
         "2 of another shape (3.weight [5, 8] in the file, [3, 8] in the model, 3.bias [5] in the file, [3]" in message
     )
-    assert "same architecture, input channels and number of classes" in message
+    assert "same architecture and input channels, and the number of classes" in message
     assert all(torch.equal(target.state_dict()[k], v) for k, v in before.items())
 
 
