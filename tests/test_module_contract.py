@@ -616,9 +616,9 @@ def test_a_checkpoint_of_another_perturbation_or_posterior_is_refused_and_leaves
     model = bayesify.convert(net(), task="classification")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     # refused in one line before anything loads (the network's own weights were loaded, then a RuntimeError raised)
-    for other, match in (("additive", r"perturbation='additive'.*perturbation='multiplicative'.*"
-                          r"bayesify.convert\(model, perturbation='additive'\) before loading; nothing was loaded$"),
-                         ("cauchy", "posterior='cauchy'.*posterior='normal'")):  # fmt: skip
+    additive = (r"perturbation='additive'.*perturbation='multiplicative'.*"
+                r"bayesify.convert\(model, perturbation='additive'\) before loading; nothing was loaded$")
+    for other, match in (("additive", additive), ("cauchy", "posterior='cauchy'.*posterior='normal'")):
         with pytest.raises(ValueError, match=match) as error:
             model.load_state_dict(saved[other])
         assert "\n" not in str(error.value)

@@ -736,7 +736,7 @@ def test_torchs_transformer_used_as_the_model_takes_the_batch_where_its_batch_fi
     # padding mask failed inside torch; refused before any change, and exact at batch_dim=1
     def make(batch_first: bool) -> nn.Module:
         torch.manual_seed(0)
-        layer = dict(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=batch_first)
+        layer = {"d_model": 8, "nhead": 2, "dim_feedforward": 16, "dropout": 0.0, "batch_first": batch_first}
         if kind == "encoder":
             return nn.TransformerEncoder(nn.TransformerEncoderLayer(**layer), 2, enable_nested_tensor=False)
         if kind == "encoder-layer":
@@ -859,9 +859,8 @@ def test_another_threads_pass_or_mode_is_refused_not_routed_through_this_ones() 
         with pytest.raises(RuntimeError, match=r"another thread's forward pass or bayesify.mode\(\) uses the model: .*"
                                                r"copy.deepcopy\(model\)"), torch.no_grad():  # fmt: skip
             model(x)
-        with pytest.raises(RuntimeError, match="another thread"):
-            with bayesify.mode(model, component=0):
-                pass
+        with pytest.raises(RuntimeError, match="another thread"), bayesify.mode(model, component=0):
+            pass
         twin = __import__("copy").deepcopy(model)  # (a copy made meanwhile leaves the other thread's mode behind)
         with torch.no_grad():
             torch.testing.assert_close(twin(x), mixture)

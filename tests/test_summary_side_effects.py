@@ -5,7 +5,6 @@ model's evaluation shifted)."""
 from __future__ import annotations
 
 import copy
-
 import warnings
 
 import pytest

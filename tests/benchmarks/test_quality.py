@@ -261,7 +261,9 @@ def test_prior_study_centres_each_factors_prior_on_its_own_initial_means() -> No
     from benchmarks._quality_methods import Rank1, _kl_to_initial_means
     from benchmarks._quality_tasks import CLASSIFICATION, Task
 
-    make = lambda p: torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))  # noqa: E731
+    def make(p: float) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
     x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
     task = Task("t", CLASSIFICATION, make, x, y, x, y, x, y, lambda v: [], epochs=1, batch_size=8, lr_grid=(1e-3,) * 4,
                 description="", loop="plain", new_head=True, pretrained={0: make(0.0)})  # fmt: skip

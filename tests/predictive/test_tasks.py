@@ -617,7 +617,7 @@ def test_a_dict_task_takes_class_axis_and_gaussian_variance_for_its_named_entrie
 
     model = bayesify.convert(Tagger(), task={0: "classification", 1: "regression"}, class_axis=-1).eval()
     with torch.no_grad():
-        logits, hidden = model(torch.randn(3, 7, 8))
+        logits, _ = model(torch.randn(3, 7, 8))
     torch.testing.assert_close(logits.exp().sum(-1), torch.ones(3, 7))
     config = bayesify.Rank1Config(task={"mean": "gaussian"}, gaussian_variance="softplus")
     assert config.resolved_task().for_output("mean") == bayesify.predictive.Gaussian("softplus")
