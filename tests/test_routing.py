@@ -806,13 +806,7 @@ def test_a_time_major_models_lengths_of_one_entry_per_example_are_tiled_at_their
     model = bayesify.convert(Tagger(), task="classification", class_axis=-1, batch_dim=1, init="normal",
                              init_mean_std=0.3).eval()  # fmt: skip
     x, lengths = torch.randn(6, 3, 8), torch.tensor([6, 2, 4])
-    with torch.no_grad():
-        out = model(x, lengths)
-        members = []
-        for k in range(4):
-            with bayesify.mode(model, component=k, noise=False):
-                members.append(model(x, lengths).softmax(-1))
-    torch.testing.assert_close(out, torch.stack(members).mean(0).log())
+    _assert_the_members_mixture(model, x, lengths)
 
 
 def test_an_output_with_the_member_rows_at_two_axes_says_which_it_took() -> None:
@@ -905,10 +899,15 @@ def test_a_one_dimensional_input_of_the_batchs_size_is_not_tiled_where_the_time_
     model = bayesify.convert(TimeMajor(), task="classification", batch_dim=1, init="normal", init_mean_std=0.3).eval()
     x, valid = torch.randn(4, 4, 6), torch.tensor([True, True, False, False])
     x[2:] = 100.0
+    _assert_the_members_mixture(model, x, valid)
+
+
+def _assert_the_members_mixture(model: nn.Module, *args: torch.Tensor) -> None:
+    """A classifier's evaluation output is the log of its K posterior-mean members' mean softmax."""
     with torch.no_grad():
-        out = model(x, valid)
+        out = model.eval()(*args)
         members = []
-        for k in range(4):
+        for k in range(bayesify.num_components(model)):
             with bayesify.mode(model, component=k, noise=False):
-                members.append(model(x, valid).softmax(-1))
+                members.append(model(*args).softmax(-1))
     torch.testing.assert_close(out, torch.stack(members).mean(0).log())
