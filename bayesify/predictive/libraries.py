@@ -62,13 +62,17 @@ _FEATURE_MODULES = (
 
 def _timm_classes(model: nn.Module) -> int:
     """A timm classifier's number of classes: its head's width (``get_classifier()``, a head assigned in place,
-    ``model.fc = nn.Linear(512, 5)``, which leaves timm's ``num_classes`` as it was), else ``num_classes``."""
+    ``model.fc = nn.Linear(512, 5)`` or a ``Sequential`` ending in one, which leaves timm's ``num_classes`` as it
+    was: its last Linear's), else ``num_classes``."""
     get_classifier = getattr(model, "get_classifier", None)
     try:
         head = get_classifier() if callable(get_classifier) else None
     except (AttributeError, NotImplementedError, TypeError):  # (a model of timm's whose head is not one module)
         head = None
     width = getattr(head, "out_features", None) if isinstance(head, nn.Module) else None
+    if width is None and isinstance(head, nn.Module):  # a head of several modules (dropout and a Linear, an MLP)
+        linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
+        width = linears[-1].out_features if linears else None
     return width if isinstance(width, int) and width > 0 else model.num_classes
 
 

@@ -56,6 +56,8 @@ def test_a_timm_head_assigned_in_place_states_its_classes(when: str) -> None:
     vit = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=10)
     vit.head = nn.Linear(192, 3)
     assert infer_task(vit).classes == 3
+    vit.head = nn.Sequential(nn.Dropout(0.1), nn.Linear(192, 64), nn.ReLU(), nn.Linear(64, 6))  # a head of its own
+    assert infer_task(vit).classes == 6
 
 
 @pytest.mark.parametrize("replace", ["identity", "reset_classifier(0)"])
