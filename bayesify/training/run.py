@@ -28,7 +28,7 @@ from bayesify.training.checkpoint import load_checkpoint
 from bayesify.training.config import TrainConfig
 from bayesify.training.recipes import apply_preset
 from bayesify.zoo.data import DataBundle, data_names
-from bayesify.zoo.models import create_model
+from bayesify.zoo.models import create_model, new_classifier
 from bayesify.zoo.weights import first_line, load_start_weights
 
 __all__ = [
@@ -177,26 +177,12 @@ def build_model(config: TrainConfig, bundle: DataBundle) -> nn.Module:
         bayesify.convert(model, config.rank1.replace(task=task_option, class_axis=class_axis))
         if config.adapter:
             bayesify.freeze_base(model)
-            head = new_head or _new_head(model, config)
+            head = new_head or (new_classifier(model) if config.pretrained else None)
             if head is not None:
                 # a head made for the data's classes (timm's pretrained weights of another width): its random weights
                 # must learn them, as the README's recipe says; frozen, they were only rescaled by the factors
                 head.requires_grad_(True)
     return model
-
-
-def _new_head(model: nn.Module, config: TrainConfig) -> nn.Module | None:
-    """The classifier ``create_model`` made anew for the data (pretrained weights published for another number of
-    classes: timm's ``num_classes`` then builds a random head), or None (a head of the loaded weights, or none)."""
-    cfg = getattr(model, "pretrained_cfg", None)
-    get_classifier = getattr(model, "get_classifier", None)
-    if not config.pretrained or not isinstance(cfg, Mapping) or not callable(get_classifier):
-        return None
-    published = cfg.get("num_classes")
-    head = get_classifier()
-    if published is None or published == getattr(model, "num_classes", published) or not isinstance(head, nn.Module):
-        return None
-    return head
 
 
 def _check_takes_the_data(model: nn.Module, config: TrainConfig, bundle: DataBundle, task: Task) -> None:

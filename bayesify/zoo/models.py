@@ -31,6 +31,7 @@ import contextlib
 import importlib
 import inspect
 import math
+from collections.abc import Mapping
 from typing import Callable, Iterator
 
 from torch import Tensor, nn
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 from bayesify.zoo.data import DataKind
 from bayesify.zoo.weights import first_line
 
-__all__ = ["RepeatChannels", "builtin_models", "create_model"]
+__all__ = ["RepeatChannels", "builtin_models", "create_model", "new_classifier"]
 
 
 class RepeatChannels(nn.Module):
@@ -163,6 +164,21 @@ def create_model(
         f"model={name!r} is not a built-in ({', '.join(builtin_models())}), a timm or a torchvision model name; "
         "check the spelling (timm.list_models('*pattern*') lists timm's), or pass your own as 'package.module:factory'."
     )
+
+
+def new_classifier(model: nn.Module) -> nn.Module | None:
+    """The classifier ``create_model(..., pretrained=True)`` made anew for the data: timm builds a random head where
+    its published weights are of another number of classes (``pretrained_cfg``); None where the head is the
+    weights' (torchvision's pretrained classifiers keep their own: other classes are refused) or there is none."""
+    cfg = getattr(model, "pretrained_cfg", None)
+    get_classifier = getattr(model, "get_classifier", None)
+    if not isinstance(cfg, Mapping) or not callable(get_classifier):
+        return None
+    published = cfg.get("num_classes")
+    head = get_classifier()
+    if published is None or published == getattr(model, "num_classes", published) or not isinstance(head, nn.Module):
+        return None
+    return head
 
 
 @contextlib.contextmanager
