@@ -119,8 +119,11 @@ class Router:
     # the tiled routes' row indices by (members, rows each, device): the same for every batch of a size, so made once
     # (five ops a pass, a tenth of a small model's evaluation)
     tiled_rows: dict = field(default_factory=dict)
-    # the root's inputs that hold no batch (options.unbatched_inputs): their positions and their keyword names
+    # the root's inputs that hold no batch (options.unbatched_inputs; a torch transformer's attention masks, which its
+    # attention layers tile themselves): their positions and their keyword names
     unbatched: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
+    # the root's inputs that hold the batch at dimension 0 whatever batch_dim says: torch's key padding masks [B, S]
+    batch_first: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
     # the thread of the pass in flight, and of each mode() in force (eagerly): the routing of a pass is the model's,
     # so another thread's pass or mode() would route this one's rows (a plain eval call returned mode()'s member)
     thread: int | None = None
@@ -154,7 +157,9 @@ class Router:
         """Route ``root``'s passes (``root_layout``: the root is a converted layer stating its batch axes)."""
         self.root_layout = root_layout
         self.root_ref = weakref.ref(root)
-        self.unbatched = input_positions(root, self.options.unbatched_inputs)
+        masks = torch_masks(root)
+        self.unbatched = input_positions(root, self.options.unbatched_inputs + masks["shared"])
+        self.batch_first = input_positions(root, masks["padding"])
 
     def _member_rows(self, members: int, rows_each: int, device: torch.device) -> Tensor:
         """:func:`member_rows`, kept for the next pass alike (not in a traced graph, whose sizes may be symbolic)."""
@@ -420,7 +425,7 @@ class Router:
         if self.takes_examples(args, spec, task):
             return self._begin_list(module, spec, args, kwargs)
         leaves, tree = tree_flatten((args, kwargs), is_leaf=is_packed)
-        held = self._unbatched_leaves(args, kwargs) if self.options.unbatched_inputs else [False] * len(leaves)
+        held = self._leaves_in(self.unbatched, args, kwargs) if any(self.unbatched) else [False] * len(leaves)
         first = next((t for t, h in zip(leaves, held) if not h and isinstance(t, (Tensor, PackedSequence))), None)
         if first is None:
             raise TypeError(
@@ -474,6 +479,8 @@ class Router:
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
         if axes is None:
             axes = [(0 if t is first else None) if axis is None else axis for t in leaves]
+            if axis is not None and any(self.batch_first):  # (a key padding mask [B, S] of a time-major model)
+                axes = [0 if b else a for a, b in zip(axes, self._leaves_in(self.batch_first, args, kwargs))]
 
         def unambiguous() -> bool:  # (asked only of a 1-D leaf: no guard on the sizes in a compiled pass otherwise)
             return shape is not None and list(shape).count(batch) == 1
@@ -496,10 +503,11 @@ class Router:
 
         return tree_unflatten([t if h else tile_leaf(t, d) for t, d, h in zip(leaves, axes, held)], tree)
 
-    def _unbatched_leaves(self, args: tuple, kwargs: dict) -> list[bool]:
-        """For each leaf of ``(args, kwargs)`` (in ``tree_flatten``'s order), whether it is in an input that holds no
-        batch (``unbatched_inputs``)."""
-        positions, names = self.unbatched
+    @staticmethod
+    def _leaves_in(inputs: tuple[frozenset[int], frozenset[str]], args: tuple, kwargs: dict) -> list[bool]:
+        """For each leaf of ``(args, kwargs)`` (in ``tree_flatten``'s order), whether it is in one of ``inputs``
+        (positions, keyword names: :func:`input_positions`)."""
+        positions, names = inputs
         held: list[bool] = []
         for i, value in enumerate(args):
             held += [i in positions] * len(tree_flatten(value, is_leaf=is_packed)[0])
@@ -662,6 +670,29 @@ def member_rows(components: int, rows_each: int, device: torch.device) -> Tensor
     dynamic batch (onnxscript's ``repeat_interleave`` with a symbolic count is off by one).
     """
     return torch.arange(components, device=device)[:, None].expand(components, rows_each).reshape(-1)
+
+
+# torch's transformer modules: a model of these takes the batch where batch_first says (convert checks), attention
+# masks [L, S] shared by the batch or [B * heads, L, S] (its attention layers tile those), key padding masks [B, S]
+TORCH_TRANSFORMERS = (
+    nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer
+)
+
+
+def torch_masks(root: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The inputs of ``root``'s forward that follow torch's mask conventions whatever ``batch_dim`` says: ``padding``,
+    the key padding masks ``[B, S]`` (torch's name, ``*key_padding_mask``, in any model); ``shared``, a torch
+    transformer module's attention masks, which the root leaves to its attention layers. (Where the sequence is as
+    long as the batch, tiling these at ``batch_dim`` tiled the wrong axis: an error inside torch.)"""
+    try:
+        names = list(inspect.signature(root.forward).parameters)
+    except (TypeError, ValueError):
+        names = []
+    padding = tuple(n for n in names if n.endswith("key_padding_mask"))
+    shared = ()
+    if isinstance(root, TORCH_TRANSFORMERS):
+        shared = tuple(n for n in names if n in ("mask", "src_mask", "tgt_mask", "memory_mask"))
+    return {"padding": padding, "shared": shared}
 
 
 def input_positions(root: nn.Module, inputs: tuple[str | int, ...]) -> tuple[frozenset[int], frozenset[str]]:

@@ -767,6 +767,42 @@ def test_torchs_transformer_used_as_the_model_takes_the_batch_where_its_batch_fi
     torch.testing.assert_close(out, torch.stack(members).mean(0))
 
 
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("kind", ["encoder", "transformer"])
+def test_torchs_transformer_masks_are_tiled_as_torch_lays_them_out_when_the_sequence_is_as_long_as_the_batch(
+    kind: str, batch_first: bool
+) -> None:
+    # S == B: the padding mask [B, S] was tiled at batch_dim=1 (a time-major model) and a causal mask [S, S] at
+    # batch_dim, each an error inside torch; the padding mask holds the batch at 0 whatever batch_dim says, the
+    # attention masks are the attention layers' to tile
+    torch.manual_seed(0)
+    layer = {"d_model": 8, "nhead": 2, "dim_feedforward": 16, "dropout": 0.0, "batch_first": batch_first}
+    if kind == "encoder":
+        model = nn.TransformerEncoder(nn.TransformerEncoderLayer(**layer), 2, enable_nested_tensor=False)
+    else:
+        model = nn.Transformer(num_encoder_layers=1, num_decoder_layers=1, **layer)
+    bayesify.convert(model, batch_dim=0 if batch_first else 1, task="regression", init="normal", init_mean_std=0.3)
+    model.eval()
+    n = 4  # the sequence's length and the batch's
+    src = torch.randn(n, n, 8)
+    padding = torch.zeros(n, n, dtype=torch.bool)
+    padding[0, -1] = padding[2, -2:] = True  # [B, S]: not symmetric, so the axis matters
+    causal = nn.Transformer.generate_square_subsequent_mask(n)
+    if kind == "encoder":
+        args, kwargs = (src,), {"mask": causal, "src_key_padding_mask": padding}
+    else:
+        args, kwargs = (src, src.flip(0)), {"tgt_mask": causal, "src_key_padding_mask": padding,
+                                           "memory_key_padding_mask": padding}  # fmt: skip
+    with torch.no_grad():
+        out = model(*args, **kwargs)
+        members = []
+        for k in range(4):
+            with bayesify.mode(model, component=k, noise=False):
+                members.append(model(*args, **kwargs))
+    assert not torch.allclose(members[0], members[1])  # the members differ: the mean is a real check
+    torch.testing.assert_close(out, torch.stack(members).mean(0))
+
+
 def test_an_error_inside_a_tiled_pass_names_unbatched_inputs() -> None:
     # a [T, T] mask when the batch happens to be T: tiled with the batch, torch's error said nothing of the fix
     class Encoder(nn.Module):
