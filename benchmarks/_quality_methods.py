@@ -210,6 +210,19 @@ class Temperature(Method):
         return _Tempered(model, model.benchmark_log_temperature), 1
 
 
+@dataclass
+class MixtureTemperature(Temperature):
+    """Temperature scaling of a rank-1 fine-tune's predictive: T on the log of the K members' mixture
+    (``model.eval()``'s output; pool, then calibrate), fitted on the validation split."""
+
+    key: str = "ft-rank1-temperature"
+    label: str = "rank-1 fine-tune + temperature scaling of its mixture"
+    builds_on: str | None = "ft-rank1"
+
+    def evaluator_model(self, model: nn.Module) -> tuple[nn.Module, int] | None:
+        return None  # the mixture, tempered, is one member: the benchmark's own metrics
+
+
 class _Tempered(nn.Module):
     """The network's logits divided by the fitted temperature: a plain classifier for ``evaluate``."""
 
@@ -559,7 +572,7 @@ OPTIONAL_METHODS = {"bayesian-torch": "bayesian-torch", "ft-laplace": "laplace-t
 STUDY_METHODS = (
     "ft-rank1-spread", "ft-rank1-headsign", "ft-rank1-headnormal", "ft-rank1-headsign-initprior",
     "ft-rank1-headnormal-initprior",
-    "ft-rank1-flr10", "ft-rank1-prior0.3", "ft-rank1-flr10-prior0.3", "ft-rank1-tiled",
+    "ft-rank1-flr10", "ft-rank1-prior0.3", "ft-rank1-flr10-prior0.3", "ft-rank1-tiled", "ft-rank1-temperature",
 )  # fmt: skip
 
 
@@ -617,6 +630,7 @@ FINETUNE_METHODS: list[Method] = [
           "every example)", route="tile", from_pretrained=True),
     Rank1(key="ft-rank1-sampled", label="rank-1 fine-tune, the same nets evaluated with 4 samples per component",
           from_pretrained=True, eval_noise=True, builds_on="ft-rank1", post_hoc=True),
+    MixtureTemperature(),
     Rank1(key="ft-rank1-factors", label="rank-1 adapter (freeze_base; a new head trains too)", from_pretrained=True,
           factors_only=True),
     Rank1(key="ft-rank1-factors-sampled", label="rank-1 adapter, the same nets evaluated with 4 samples per component",
