@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unfla
 from bayesify.config import ModelOptions
 from bayesify.mixture import split_members, tile
 from bayesify.options import Route, Sampling
+from bayesify.predictive.libraries import huggingface_model
 from bayesify.predictive.outputs import (
     check_rows,
     is_packed,
@@ -190,6 +191,14 @@ class Router:
         """Whether the call's first argument is a list of examples (:func:`is_example_list`) under ``spec`` (a task
         it says wins) and the model's ``task``."""
         return len(args) > 0 and is_example_list(args[0], spec.task or task, self.options.batch_dim)
+
+    def separate_batches(self, root: nn.Module, args: tuple, kwargs: dict) -> dict[str, int] | None:
+        """A Hugging Face model's tower inputs (:func:`tower_batches`) when they hold batches of different sizes
+        (CLIP's zero-shot: N images, M prompts), else None: one tiled pass cannot route both towers' members."""
+        if torch.compiler.is_compiling():
+            return None
+        sizes = tower_batches(root, args, kwargs)
+        return sizes if len(set(sizes.values())) > 1 else None
 
     def default_noise(self, training: bool, samples: int = 1) -> bool:
         """Whether to sample the factors where no ``mode()`` says: what an enclosing ``mode()`` said; else always in
@@ -445,6 +454,14 @@ class Router:
             batch, device = int(first.batch_sizes[0]), first.data.device
         else:
             batch, device = (1 if axis is None else first.shape[axis]), first.device
+        if spec.route in (Route.TILE, Route.MIXTURE) and (towers := self.separate_batches(module, args, kwargs)):
+            given = ", ".join(f"{name} {size}" for name, size in towers.items())
+            raise ValueError(
+                f"{type(module).__name__} was given batches of different sizes ({given}), and one tiled pass routes "
+                f"one batch through the {self.components} members (the other tower ran one member for all, silently); "
+                "for the members' outputs call bayesify.predict(model, ...), which runs each member once on these "
+                "inputs, or pass batches of one size."
+            )
         self._enter()
         shape = tuple(first.shape) if isinstance(first, Tensor) else None  # (as given: for an error message, a hint)
         if spec.route is Route.SAMPLE:
@@ -693,6 +710,25 @@ def torch_masks(root: nn.Module) -> dict[str, tuple[str, ...]]:
     if isinstance(root, TORCH_TRANSFORMERS):
         shared = tuple(n for n in names if n in ("mask", "src_mask", "tgt_mask", "memory_mask"))
     return {"padding": padding, "shared": shared}
+
+
+# a Hugging Face model's main input of each modality (batch-first), and its fewest dimensions with a batch: a tower's
+_TOWER_INPUTS = {"input_ids": 2, "inputs_embeds": 3, "pixel_values": 4, "input_values": 2, "input_features": 3}
+
+
+def tower_batches(root: nn.Module, args: tuple, kwargs: dict) -> dict[str, int]:
+    """The batch of each tower input a Hugging Face model was given (CLIP's ``input_ids`` and ``pixel_values``), by
+    name; empty for any other model. (A vision-language model's flat patches ``[patches, dim]`` are no tower's.)"""
+    if huggingface_model(root) is None:
+        return {}
+    try:
+        given = inspect.signature(root.forward).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        given = kwargs
+    return {
+        name: int(value.shape[0]) for name, dims in _TOWER_INPUTS.items()
+        if isinstance(value := given.get(name), Tensor) and value.dim() >= dims
+    }  # fmt: skip
 
 
 def input_positions(root: nn.Module, inputs: tuple[str | int, ...]) -> tuple[frozenset[int], frozenset[str]]:

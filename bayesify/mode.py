@@ -88,8 +88,9 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
 
     Runs ``model(*args, **kwargs)`` once on the tiled batch without gradients, in the model's
     current train/eval state (call ``model.eval()`` first for evaluation). A model that takes a
-    list of examples (torchvision detection) runs once per member instead, and its members come
-    back as a list of S outputs.
+    list of examples (torchvision detection), or a Hugging Face model whose towers are given
+    batches of different sizes (CLIP's N images and M prompts), runs once per member instead, and
+    its members come back as a list of S outputs.
 
     Args:
         samples: posterior samples per component (M).
@@ -115,7 +116,10 @@ def predict(model: nn.Module, *args: Any, samples: int = 1, noise: bool | None =
     if noise is None:  # decided where every pass's is (what an enclosing mode() said, else the defaults)
         noise = router.default_noise(_training(model), samples)
     with torch.no_grad():
-        if router.takes_examples(args, router.resolve(_training(model)), state.task):
+        # a list of examples (a detector), or towers given batches of different sizes (CLIP's N images, M prompts):
+        # one tiled pass cannot hold the members, so each member runs once
+        separate = router.takes_examples(args, router.resolve(_training(model)), state.task)
+        if separate or router.separate_batches(model, args, kwargs):
             outputs = []
             for k in range(router.components):
                 for _ in range(samples):

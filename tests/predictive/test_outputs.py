@@ -384,6 +384,38 @@ def test_a_contrastive_models_similarity_matrices_are_each_members_own_pairs() -
             torch.testing.assert_close(members.logits_per_text[k], merged.logits_per_text, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("images, texts", [(4, 2), (2, 4)])
+def test_a_contrastive_models_towers_given_batches_of_different_sizes_are_refused_in_one_pass_and_run_per_member(
+    images: int, texts: int
+) -> None:
+    """Zero-shot CLIP: N images against M prompts. One tiled pass took the batch from the first input alone, so the
+    other tower ran one member's weights for all members (its embeddings 0.49 off the members' mean, the similarity
+    matrix 3.5 off; with 2 images and 4 texts at projection width K x 4 the embeddings were reduced on their width).
+    The mixture's pass is refused in one line naming ``bayesify.predict``, which runs each member once."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    layers = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    text = {"vocab_size": 50, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, **layers}
+    vision = {"image_size": 32, "patch_size": 8, **layers}
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
+    model = bayesify.convert(transformers.CLIPModel(config), components=2, init="normal", init_mean_std=0.3).eval()
+    ids, pixels = torch.randint(0, 50, (texts, 6)), torch.randn(images, 3, 32, 32)
+    with pytest.raises(ValueError, match=rf"batches of different sizes \(input_ids {texts}, pixel_values {images}\).*bayesify\.predict"):
+        model(input_ids=ids, pixel_values=pixels)
+    with pytest.raises(ValueError, match="batches of different sizes"):
+        model(ids, pixels)  # (given by position)
+    with torch.no_grad():
+        members = bayesify.predict(model, pixel_values=pixels, input_ids=ids)
+        assert isinstance(members, list) and len(members) == 2
+        for k in range(2):
+            merged = bayesify.merge(model, component=k).eval()(input_ids=ids, pixel_values=pixels)
+            for name in ("logits_per_image", "image_embeds", "text_embeds"):
+                assert getattr(members[k], name).shape == getattr(merged, name).shape
+                torch.testing.assert_close(getattr(members[k], name), getattr(merged, name), rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(members[0].text_embeds, members[1].text_embeds)  # (two members, not one twice)
+        model(input_ids=ids[:1].expand(images, -1), pixel_values=pixels)  # batches of one size: the mixture's pass
+
+
 # ---- class outputs that are probabilities already (a final softmax) -------------------------------
 
 
