@@ -100,6 +100,7 @@ class ForwardState:
     draws: PassDraws | None = None  # the factors drawn for this pass (the model state sets it: variational/draws.py)
     module_ids: frozenset[int] | None = None  # the root's modules, where a foreign layer's call asked (Router._foreign_call)
     training: bool = True  # the root's train / eval state (a layer in the other one samples as its own says)
+    checkpointed: bool = False  # a layer ran under activation checkpointing (its backward recomputes it: Router.reached)
 
     @property
     def signature(self) -> tuple:
@@ -129,6 +130,9 @@ class Router:
     # so another thread's pass or mode() would route this one's rows (a plain eval call returned mode()'s member)
     thread: int | None = None
     override_threads: list[int] = field(default_factory=list)
+    # the checkpointed passes the backward pass in progress reached: (its graph task, their states, weakly), so that a
+    # recomputation in a backward that reached two of them (a loss over two forward passes) is refused
+    reached: tuple[int, list] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # the forward pass in flight is not state to copy or save: after torch.export or torch.compile
@@ -142,6 +146,7 @@ class Router:
         # a mode() is the caller's block around this model: a copy (or a saved model) made inside it leaves it behind,
         # as the block's exit would not reach the copy
         state["overrides"], state["override_threads"], state["thread"] = [], [], None
+        state["reached"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -250,11 +255,17 @@ class Router:
         state = self.state
         if state is None or not self.live():
             return self.route_outside(n, device, layer)
+        if self.active and not state.checkpointed and not torch.compiler.is_compiling():
+            # a layer under activation checkpointing (the non-reentrant kind's saved-tensors hook, the reentrant kind's
+            # no_grad): the backward pass will recompute it, and must find this pass again (end(), reached())
+            state.checkpointed = saved_tensors_hooked() or not torch.is_grad_enabled()
         per_block = self.options.sampling is Sampling.COMPONENT
         # live but not active: a recomputation in the backward pass (activation checkpointing). Reentrant
         # checkpointing backpropagates through it, so its layers make their values again in a graph of their own
         # (Draw.recompute); the non-reentrant kind runs it under a saved-tensors hook that compares what it saves
         # with the forward's, so its layers take the pass's values, as views (saving nothing the forward did not)
+        if not self.active and self.reached is not None and not torch.compiler.is_compiling():
+            self._check_recomputed_pass(layer)
         again = not self.active and not torch.compiler.is_compiling() and not saved_tensors_hooked()
         noise = state.spec.noise if layer is None or layer.training == state.training else self.layer_noise(layer.training)
         # a layer whose noise is not the pass's (a sub-module in the other train / eval state) draws its own values
@@ -573,6 +584,8 @@ class Router:
         if state is None:
             return output
         inputs, state.inputs = state.inputs, {}  # not held past the pass (they may be large)
+        if state.checkpointed and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self._watch_backward(module, state, output)
         if state.spec.route is Route.TILE and getattr(primary_leaf(output), "ndim", 0) > 0:  # (not a scalar loss)
             # the tiled route hands its K*B rows back as they are: refuse an output without them, as the mixture does
             check_rows(module, output, members=state.members, batch=state.batch, axis=state.axis)
@@ -583,6 +596,43 @@ class Router:
             module, output, state.spec.task or task, members=state.members, batch=state.batch, axis=state.axis,
             axes=axes, inputs=inputs, look=look,
         )  # fmt: skip
+
+    def _watch_backward(self, root: nn.Module, state: ForwardState, output: object) -> None:
+        """A pass whose layers ran under activation checkpointing: when a backward pass reaches its output, its
+        routing becomes the router's again, for the recomputation of its layers (another pass since, a monitoring
+        pass in evaluation or a second view, left its own rows there: the recomputation took them, its gradients
+        silently wrong or a shape error inside torch). Two such passes reached by one backward are refused: their
+        recomputations cannot be told apart."""
+        leaves = [t for t in tree_flatten(output, is_leaf=is_packed)[0] if isinstance(t, Tensor) and t.requires_grad]
+        if not leaves:
+            return
+        # (the hook holds the pass's state as long as the output's graph holds the hook: the recomputation needs it)
+        def reached(grad: Tensor) -> None:
+            task = torch._C._current_graph_task_id()
+            if self.reached is None or self.reached[0] != task:
+                self.reached = (task, [])
+            if not any(ref() is state for ref in self.reached[1]):
+                self.reached[1].append(weakref.ref(state))
+            self.state = state  # (its rows and draws, for the recomputation: route() reads them)
+
+        for leaf in leaves:
+            leaf.register_hook(reached)
+
+    def _check_recomputed_pass(self, layer: nn.Module | None) -> None:
+        """A recomputation (activation checkpointing) in a backward pass that reached two checkpointed forward passes:
+        which one's rows it recomputes cannot be told (their layers and shapes alike); refused in one line."""
+        if self.reached is None or self.reached[0] != torch._C._current_graph_task_id():
+            return
+        passes = {id(state) for ref in self.reached[1] if (state := ref()) is not None}
+        if len(passes) > 1:
+            name = type(self.root).__name__ if self.root is not None else "the model"
+            raise RuntimeError(
+                f"this backward pass recomputes activation-checkpointed layers ({self.layer_name(layer)}) of one of "
+                f"{len(passes)} forward passes of {name} it reached (a loss over several calls: two views, R-Drop), "
+                "whose rows went through other members, and bayesify cannot tell which; pass the inputs as one batch "
+                "(torch.cat), or call backward() after each forward pass (gradients accumulate), or leave "
+                "checkpointing off."
+            )
 
     def output_axes(self, root: nn.Module, output: object, axis: int | None) -> list[int | None]:
         """The batch axis of each output leaf: the root layer's own statement, else the input's axis."""

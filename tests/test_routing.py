@@ -270,6 +270,64 @@ def test_reentrant_and_non_reentrant_checkpointing_give_the_plain_gradients() ->
             torch.testing.assert_close(grads[reentrant][n], grads[None][n], msg=f"{n}, use_reentrant={reentrant}")
 
 
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_recomputes_its_own_pass_when_another_pass_ran_before_the_backward(reentrant: bool) -> None:
+    # a training step, then a pass on another batch before its backward (a monitoring pass in evaluation, a training
+    # pass under no_grad): the recomputation took the later pass's rows and draws (gradients 0.04 off, or torch's
+    # CheckpointError after an evaluation); it takes its own pass's
+    # (an input that takes a gradient: reentrant checkpointing gives a first block's parameters none otherwise)
+    x, y, other = torch.randn(8, 3, 6, 6, requires_grad=True), torch.arange(8) % 3, torch.randn(5, 3, 6, 6)
+    grads = {}
+    for checkpointed, between in [(None, "eval"), (reentrant, "eval"), (None, "no_grad"), (reentrant, "no_grad")]:
+        torch.manual_seed(0)
+        model = bayesify.convert(_Checkpointed(checkpointed), components=4, init_std=0.2, task="classification")
+        torch.manual_seed(1)
+        loss = F.cross_entropy(model(x), y)
+        with torch.no_grad():
+            if between == "eval":
+                model.eval()(other)
+                model.train()
+            else:
+                model(other)
+        loss.backward()
+        grads[checkpointed is not None, between] = _grads(model)
+    for between in ("eval", "no_grad"):
+        assert grads[False, between].keys() == grads[True, between].keys()
+        for n, g in grads[False, between].items():
+            torch.testing.assert_close(grads[True, between][n], g, msg=f"{n}, between: {between}")
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_under_a_loss_of_two_passes_is_refused_and_one_backward_each_is_exact(reentrant: bool) -> None:
+    # two views, one backward (R-Drop, SimCLR): the recomputation of each view's layers took the last view's rows (the
+    # gradients 0.06 off, silently); which pass a recomputation belongs to cannot be told: refused in one line. A
+    # backward after each pass is exact
+    x1, x2 = torch.randn(8, 3, 6, 6, requires_grad=True), torch.randn(8, 3, 6, 6, requires_grad=True)
+    y = torch.arange(8) % 3
+    torch.manual_seed(0)
+    model = bayesify.convert(_Checkpointed(reentrant), components=4, init_std=0.2, task="classification")
+    torch.manual_seed(1)
+    loss = F.cross_entropy(model(x1), y) + F.cross_entropy(model(x2), y)
+    with pytest.raises(RuntimeError, match=r"recomputes activation-checkpointed layers .* of one of 2 forward passes"):
+        loss.backward()
+    grads = {}
+    for checkpointed in (None, reentrant):
+        torch.manual_seed(0)
+        model = bayesify.convert(_Checkpointed(checkpointed), components=4, init_std=0.2, task="classification")
+        torch.manual_seed(1)
+        first = F.cross_entropy(model(x1), y)
+        second = F.cross_entropy(model(x2), y)
+        first.backward()
+        second.backward()
+        grads[checkpointed] = _grads(model)
+    for n, g in grads[None].items():
+        torch.testing.assert_close(grads[reentrant][n], g, msg=n)
+
+
 class _CheckpointedStem(nn.Module):
     """A checkpointed first block whose first layer is a patch embedding (its input takes no gradient)."""
 
