@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -222,16 +223,38 @@ def _read_batch(batch: object, label_key: str | None, *, labels: bool = True) ->
 
 
 def _inputs_map(x: object, f: Callable[[Tensor], Tensor]) -> object:
-    """``f`` applied to the inputs ``x``: a tensor, or a mapping batch's tensors (its other entries as they are)."""
+    """``f`` applied to the inputs ``x``: a tensor, a mapping batch's tensors (its other entries as they are), or a
+    tuple / list of them (a model's positional inputs, a detector's images)."""
     if isinstance(x, Mapping):
         return {k: f(v) if isinstance(v, Tensor) else v for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(f(v) if isinstance(v, Tensor) else v for v in x)
     return f(x)
 
 
+def _positional_inputs(model: nn.Module, x: object) -> bool:
+    """Whether the inputs ``x`` are a tuple / list of the model's positional inputs (``((x1, x2), y)`` batches; a
+    DataLoader hands the inner tuple on as a list): as many tensors as its forward takes positionally, where it
+    needs two or more (a detector's list of images is its one input)."""
+    if not isinstance(x, (tuple, list)) or len(x) < 2 or not all(isinstance(v, Tensor) for v in x):
+        return False
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    P = inspect.Parameter
+    positional = [p for p in parameters if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional if p.default is P.empty]
+    return 2 <= len(required) <= len(x) <= len(positional)
+
+
 def _forward(model: nn.Module, x: object, converted: bool, samples: int, noise: bool | None) -> object:
-    """The model on the inputs ``x`` (a mapping: its keyword inputs): a converted model's members
-    (:func:`bayesify.predict`), a plain model's output."""
-    args, kwargs = ((), dict(x)) if isinstance(x, Mapping) else ((x,), {})
+    """The model on the inputs ``x`` (a mapping: its keyword inputs; a tuple of its positional inputs): a converted
+    model's members (:func:`bayesify.predict`), a plain model's output."""
+    if isinstance(x, Mapping):
+        args, kwargs = (), dict(x)
+    else:
+        args, kwargs = (tuple(x) if _positional_inputs(model, x) else (x,)), {}
     return predict(model, *args, samples=samples, noise=noise, **kwargs) if converted else model(*args, **kwargs)
 
 
@@ -382,7 +405,8 @@ def evaluate(
             as keyword arguments (``model(**inputs)``, so an attention mask is honoured), their tensors moved to
             ``device``; a sequence-to-sequence model (T5, BART) given no ``decoder_input_ids`` gets them made from
             the labels, as its own forward makes them from ``labels=``. A 0-d target marks one example, given to the
-            model as a batch of one. Any other batch is refused in one line naming it.
+            model as a batch of one. A model of several inputs takes ``((x1, x2), target)`` pairs: the tuple (a
+            DataLoader's list) is its positional inputs. Any other batch is refused in one line naming it.
         task: what the output means (default: the converted model's, see :func:`model_task`).
         ood: an out-of-distribution set (its targets are ignored; its mappings need no ``label_key`` entry):
             adds ``ood``, the AUROC, AUPR and FPR@95 of each uncertainty score (max probability, entropy, mutual
@@ -401,7 +425,8 @@ def evaluate(
         The metrics, plus ``components``, ``samples`` and ``task`` (with ``output``, the part scored, for a
         structured output, and ``ignored``, the number of targets left out, with ``ignore_index``). The
         model's RNG use (posterior noise) does not touch the caller's generator state: evaluation runs inside
-        ``torch.random.fork_rng``, seeded, so the same weights give the same numbers.
+        ``torch.random.fork_rng``, seeded, so the same weights give the same numbers at the same ``batch_size``
+        (sampled members draw per batch: another batch size draws other noise).
     """
     _check_bins(bins)
     _check_ignore_index(ignore_index)

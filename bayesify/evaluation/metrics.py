@@ -70,6 +70,11 @@ def _check(member_log_probs: Tensor, labels: Tensor) -> None:
             f"member_log_probs must have shape [members, examples, classes], got {tuple(member_log_probs.shape)}; "
             "add a leading axis of 1 for a single model."
         )
+    if member_log_probs.shape[-1] == 1:  # (one class: NLL 0 and accuracy 1 whatever the labels)
+        raise ValueError(
+            f"member_log_probs {tuple(member_log_probs.shape)} hold one class; a one-logit binary classifier's logits "
+            "go through member_log_probs_from_logits (or task='binary'), which makes its two classes."
+        )
     if labels.shape != member_log_probs.shape[1:2]:
         raise ValueError(
             f"labels of shape {tuple(labels.shape)} do not match {member_log_probs.shape[1]} examples "
@@ -84,18 +89,21 @@ def as_class_labels(labels: Tensor, classes: int) -> Tensor:
         fractional = labels[labels != labels.round()]
         if fractional.numel():
             raise ValueError(
-                f"classification labels are class indices; got the fractional label {fractional[0].item():g} (a "
-                "regression target? say task='regression')."
+                f"classification labels are class indices; got the fractional label {fractional[0].item():g} ("
+                + ("soft binary targets: round them to 0 / 1 to score; " if classes == 2 else "")
+                + "a regression target? say task='regression')."
             )
     labels = labels.long()
     if labels.numel():
         low, high = int(labels.min()), int(labels.max())
         if low < 0 or high >= classes:
             label = low if low < 0 else high
+            signs = classes == 2 and low == -1 and high <= 1  # (binary labels as -1 / +1)
             raise ValueError(
-                f"label {label} is not a class of the {classes}-class output (labels lie in [0, {classes})); if it "
-                f"marks targets to leave out (an ignore index, as 255 in segmentation masks or -100 in Hugging Face "
-                f"labels), pass evaluate(..., ignore_index={label})."
+                f"label {label} is not a class of the {classes}-class output (labels lie in [0, {classes})); "
+                + ("binary labels are 0 and 1: for -1 / +1 labels pass (y + 1) // 2; " if signs else "")
+                + "if it marks targets to leave out (an ignore index, as 255 in segmentation masks or -100 in Hugging "
+                f"Face labels), pass evaluate(..., ignore_index={label})."
             )
     return labels
 
@@ -183,7 +191,7 @@ def diversity(member_log_probs: Tensor, labels: Tensor, components: int) -> dict
     Returns:
         ``disagreement``: mean over pairs of the fraction of examples whose argmax differs;
         ``normalized_disagreement``: that divided by the mixture's error rate ``1 - accuracy``;
-        ``kl``: mean over pairs of ``mean_n KL(p_i || p_j)``.
+        ``kl``: mean over ordered pairs (i != j) of ``mean_n KL(p_i || p_j)``.
     """
     _check(member_log_probs, labels)
     s = member_log_probs.shape[0]
@@ -194,7 +202,9 @@ def diversity(member_log_probs: Tensor, labels: Tensor, components: int) -> dict
     preds = log_probs.argmax(-1)
     pairs = list(itertools.combinations(range(components), 2))
     disagreement = torch.stack([(preds[i] != preds[j]).float().mean() for i, j in pairs]).mean()
-    kl = torch.stack([(log_probs[i].exp() * (log_probs[i] - log_probs[j])).sum(-1).mean() for i, j in pairs]).mean()
+    # (KL is not symmetric: over ordered pairs, so that the members' order does not change it)
+    ordered = pairs + [(j, i) for i, j in pairs]
+    kl = torch.stack([(log_probs[i].exp() * (log_probs[i] - log_probs[j])).sum(-1).mean() for i, j in ordered]).mean()
     error = 1.0 - float(accuracy(mixture_log_probs(member_log_probs).exp(), labels))
     return {
         "disagreement": float(disagreement),

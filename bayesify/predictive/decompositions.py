@@ -193,7 +193,8 @@ def classification_uncertainty(
         # a softmax over one class is always certain: this is a sigmoid head's single logit
         raise ValueError(
             f"class_axis={class_axis} of member outputs {tuple(members.shape[1:])} holds one class; a single logit "
-            "is a sigmoid output: use binary_uncertainty(members), or pick the class axis."
+            "is a sigmoid output: use binary_uncertainty(members) (a converted model: task='binary'), or pick the "
+            "class axis."
         )
     dtype = _result_dtype(members)
     # one member at a time: peak memory is a few float64 copies of one member's output rather

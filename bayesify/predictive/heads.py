@@ -55,6 +55,6 @@ def gaussian_head(
     if torch.any(raw < 0):
         raise ValueError(
             f"variance={kind.value!r} but the head's second half has negative values (down to "
-            f"{float(raw.min()):.3g}); pass variance='log' or 'softplus' for an unconstrained head."
+            f"{float(raw.min()):.3g}); pass variance='log' or 'softplus' for an unconstrained head (a converted model's option: gaussian_variance)."
         )
     return mean, raw if kind is VarianceParameter.VARIANCE else raw.square()

@@ -30,6 +30,7 @@ from bayesify.predictive.tasks import (
     Task,
     TaskMap,
     refuse_probabilities,
+    refuse_sigmoid_outputs,
 )  # fmt: skip
 
 __all__ = [
@@ -148,6 +149,8 @@ def reduce_output(
                 )
         if look and isinstance(found, Classification):
             refuse_probabilities(stacked, found.axis(stacked.shape[1:]) + 1)
+        elif look and isinstance(found, Binary):
+            refuse_sigmoid_outputs(stacked)
         return found.reduce(stacked)
 
     as_logits: list[tuple[int, ...]] = []  # the leaves one task of logits reduced

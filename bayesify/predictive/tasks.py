@@ -204,8 +204,14 @@ class Classification(Task):
         return decompositions.classification_uncertainty(members, class_axis=self.axis(members.shape[1:]))
 
     def member_log_probs(self, members: Tensor) -> Tensor:
-        refuse_probabilities(members, self.axis(members.shape[1:]) + 1)
-        logits = members.movedim(self.axis(members.shape[1:]) + 1, -1)
+        axis = self.axis(members.shape[1:]) + 1
+        if members.shape[axis] == 1:  # a softmax over one class: NLL 0, accuracy 1 whatever the labels
+            raise ValueError(
+                f"task='classification' needs one output per class, but the members' outputs {tuple(members.shape)} "
+                f"have a single class column at axis {axis - 1}; use task='binary' for a one-logit binary classifier."
+            )
+        refuse_probabilities(members, axis)
+        logits = members.movedim(axis, -1)
         return logits.reshape(logits.shape[0], -1, logits.shape[-1]).log_softmax(-1)
 
     def __str__(self) -> str:
@@ -238,6 +244,30 @@ def refuse_probabilities(members: Tensor, axis: int) -> None:
         )
 
 
+def refuse_sigmoid_outputs(members: Tensor) -> None:
+    """Binary outputs that are probabilities already (a model ending in a sigmoid) would go through a sigmoid again
+    (every prediction near 0.5 or above, the NLL and accuracy wrong, silently). Refused in one line where at least 64
+    values, not all equal, all lie in [0, 1]: logits of a model that learned anything, or of a random head, take both
+    signs (the chance that 64 random logits all lie in [0, 1] is below 1e-19). Reads values: not in a traced graph."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or isinstance(members, torch._subclasses.FakeTensor)
+        or members.device.type == "meta"
+        or not members.is_floating_point()
+        or members.numel() < 64
+    ):
+        return
+    values = members.detach()
+    low, high = values.min(), values.max()
+    if bool((low >= 0) & (high <= 1) & (high > low)):
+        raise ValueError(
+            "the model's binary outputs are probabilities (every value in [0, 1]: a final sigmoid), but "
+            "task='binary' / 'multilabel' takes logits and takes their sigmoid; return the logits (leave the sigmoid "
+            "out, train with BCEWithLogitsLoss), or say task='members' to stack the members as they are."
+        )
+
+
 def _wide(t: Tensor) -> Tensor:
     """At least float32 for the maths (a float64 output stays float64)."""
     return t if t.dtype == torch.float64 else t.float()
@@ -266,10 +296,12 @@ class Binary(Task):
         return _per_row(-F.binary_cross_entropy_with_logits(z, target.to(z.dtype), reduction="none"))
 
     def uncertainty(self, members: Tensor) -> decompositions.BinaryUncertainty:
+        refuse_sigmoid_outputs(members)
         return decompositions.binary_uncertainty(members)
 
     def member_log_probs(self, members: Tensor) -> Tensor:
         """Every (example, label) a two-class problem: ``[S, N * labels, 2]`` (log(1 - p), log p)."""
+        refuse_sigmoid_outputs(members)
         logits = members.reshape(members.shape[0], -1).float()
         return torch.stack([F.logsigmoid(-logits), F.logsigmoid(logits)], -1)
 

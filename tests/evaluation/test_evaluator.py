@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import bayesify
@@ -357,3 +358,62 @@ def test_a_time_major_models_last_step_joins_at_its_examples_when_the_batch_is_t
     model = bayesify.convert(LastStep(), task="classification", batch_dim=1, components=2)
     nll = [evaluate(model, DataLoader(TensorDataset(x, y), batch_size=size, collate_fn=collate))["nll"] for size in (3, 4, 8)]
     assert nll[1] == pytest.approx(nll[0], rel=1e-5) and nll[2] == pytest.approx(nll[0], rel=1e-5)
+
+
+def test_a_one_logit_head_said_to_be_a_softmax_classifier_is_refused_in_evaluate():
+    # a softmax over one column is 1: evaluate() of labels all 0 (a negatives-only slice) reported NLL 0, accuracy 1,
+    # ECE 0 for a converted and a plain model alike, where the forward pass refused; mixed labels asked for
+    # ignore_index=1 (which would drop every positive)
+    torch.manual_seed(0)
+    x = torch.randn(20, 5)
+    for convert in (True, False):
+        net = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1))
+        if convert:
+            bayesify.convert(net, task="classification")
+        for y in (torch.zeros(20, dtype=torch.long), torch.arange(20) % 2):
+            with pytest.raises(ValueError, match="single class column .* use task='binary'"):
+                evaluate(net, torch.utils.data.TensorDataset(x, y), task=None if convert else "classification")
+
+
+def test_binary_outputs_that_are_probabilities_already_are_refused():
+    # a head ending in nn.Sigmoid under task='binary': its probabilities went through a sigmoid again (every
+    # prediction 1, accuracy the share of positives), silently; as a final softmax is, refused in one line
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 5), torch.arange(64) % 2
+    head = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1), nn.Sigmoid())
+    net = bayesify.convert(head, task="binary", init="normal", init_mean_std=0.3).eval()
+    with pytest.raises(ValueError, match=r"binary outputs are probabilities \(every value in \[0, 1\]"):
+        net(x)
+    with pytest.raises(ValueError, match=r"binary outputs are probabilities"):
+        evaluate(net, torch.utils.data.TensorDataset(x, y))
+    with pytest.raises(ValueError, match=r"binary outputs are probabilities"):
+        bayesify.uncertainty(net, x)
+    logits = bayesify.convert(nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1)), task="binary").eval()
+    assert evaluate(logits, torch.utils.data.TensorDataset(x, y))["nll"] > 0  # (logits of both signs: scored)
+
+
+def test_a_model_of_two_inputs_is_evaluated_on_pairs_of_a_tuple_of_inputs_and_a_target():
+    # ((x1, x2), y) batches (a DataLoader hands the inner tuple on as a list) failed: 'list' has no attribute 'to'
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(4, 8), nn.Linear(3, 8), nn.Linear(8, 3)
+
+        def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.tanh(self.a(x1) + self.b(x2)))
+
+    class Pairs(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 20
+
+        def __getitem__(self, i: int) -> tuple:
+            return (x1[i], x2[i]), y[i]
+
+    torch.manual_seed(0)
+    x1, x2, y = torch.randn(20, 4), torch.randn(20, 3), torch.randint(3, (20,))
+    net = bayesify.convert(Two(), task="classification", init="normal", init_mean_std=0.3)
+    got = evaluate(net, torch.utils.data.DataLoader(Pairs(), batch_size=7))
+    with torch.no_grad():
+        want = F.cross_entropy(net.eval()(x1, x2), y).item()  # (eval's output: the log of the mixture)
+    assert got["nll"] == pytest.approx(want, rel=1e-5)
+    assert evaluate(net, Pairs(), batch_size=20)["nll"] == pytest.approx(want, rel=1e-5)

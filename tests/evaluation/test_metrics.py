@@ -66,8 +66,24 @@ def test_per_member_metrics_and_diversity_by_hand():
     assert d["disagreement"] == pytest.approx(1 / 3)  # they disagree on example 1 only
     # mixture accuracy is 1, so the error is 0: the normalised value is disagreement / (0 + eps)
     assert d["normalized_disagreement"] == pytest.approx((1 / 3) / 1e-7)
-    kl = sum(float((P[0, n] * (P[0, n] / P[1, n]).log()).sum()) for n in range(3)) / 3
+    # over both orders: KL is not symmetric, and the members' order must not change the figure
+    kl = sum(float((P[i, n] * (P[i, n] / P[1 - i, n]).log()).sum()) for i in (0, 1) for n in range(3)) / 6
     assert d["kl"] == pytest.approx(kl)
+    assert diversity(P.flip(0).log(), Y, components=2)["kl"] == pytest.approx(kl)
+
+
+def test_a_single_class_column_is_refused_not_scored_perfect():
+    # log-probabilities of one class are 0 whatever the labels: NLL 0, accuracy 1, ECE 0 on labels all 0, silently
+    with pytest.raises(ValueError, match="hold one class; a one-logit binary classifier"):
+        compute_metrics(torch.zeros(2, 3, 1), torch.zeros(3, dtype=torch.long), components=2)
+
+
+def test_binary_labels_given_as_signs_or_soft_targets_are_told_how_to_score():
+    logits = torch.randn(1, 4, 1)
+    with pytest.raises(ValueError, match=r"binary labels are 0 and 1: for -1 / \+1 labels pass \(y \+ 1\) // 2"):
+        compute_metrics(member_log_probs_from_logits(logits), torch.tensor([-1, 1, 1, -1]))
+    with pytest.raises(ValueError, match="soft binary targets: round them"):
+        compute_metrics(member_log_probs_from_logits(logits), torch.tensor([0.3, 0.7, 0.7, 0.3]))
 
 
 def test_samples_are_averaged_within_each_component():
