@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bayesify.predictive.tasks import Auto, Classification, CustomTask, Members, MultiLabel, Regression, Task, TaskMap
+from bayesify.predictive.tasks import (
+    Auto, Binary, Classification, CustomTask, Members, MultiLabel, Regression, Task, TaskMap,
+)  # fmt: skip
 
 __all__ = [
     "PAIRWISE_OUTPUTS", "WEIGHT_AS_IS", "HuggingFaceTask", "huggingface_loss", "infer_task", "padding_targets",
@@ -245,6 +247,10 @@ def said_of_model(said: Task, stated: Task | None) -> Task:
     return said
 
 
+# pre-training discriminators whose logits are one sigmoid per token (replaced or not), not a softmax over the sequence
+_DISCRIMINATORS = frozenset({"ElectraForPreTraining", "FunnelForPreTraining"})
+
+
 def _huggingface_task(model: nn.Module) -> Task | None:
     found = huggingface_model(model)
     if found is None:
@@ -264,7 +270,16 @@ def _huggingface_task(model: nn.Module) -> Task | None:
         logits = Classification(-1)  # causal / masked LM (logits over the vocabulary, which may be padded)
     if kind.endswith("ForQuestionAnswering"):  # a distribution over the positions where the answer starts and ends
         return HuggingFaceTask((("start_logits", Classification(-1)), ("end_logits", Classification(-1))), problem_type=problem)
-    return HuggingFaceTask((("logits", logits),), problem_type=problem)
+    if kind in _DISCRIMINATORS:  # ELECTRA's replaced-token detection: one sigmoid logit per token [B, T]
+        logits = Binary()
+    # heads beside the logits (their mean as raw logits was not the mixture): a multiple-choice head [B, choices],
+    # a pre-training head's tokens [B, T, V] and next-sentence pair [B, 2]
+    extra: tuple[tuple[str, Task], ...] = ()
+    if kind.endswith("DoubleHeadsModel"):
+        extra = (("mc_logits", Classification(-1)),)
+    elif kind.endswith("ForPreTraining"):
+        extra = (("prediction_logits", Classification(-1)), ("seq_relationship_logits", Classification(-1)))
+    return HuggingFaceTask((("logits", logits), *extra), problem_type=problem)
 
 
 def named_outputs(model: nn.Module, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bool]:

@@ -8,6 +8,8 @@ naming the value and the fix; the outputs that are what they claim to be pass as
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -414,6 +416,36 @@ def test_a_contrastive_models_towers_given_batches_of_different_sizes_are_refuse
                 torch.testing.assert_close(getattr(members[k], name), getattr(merged, name), rtol=1e-4, atol=1e-5)
         assert not torch.allclose(members[0].text_embeds, members[1].text_embeds)  # (two members, not one twice)
         model(input_ids=ids[:1].expand(images, -1), pixel_values=pixels)  # batches of one size: the mixture's pass
+
+
+def test_hugging_face_heads_beside_the_logits_are_each_the_mixture_of_their_own_distribution() -> None:
+    """GPT-2's multiple-choice head (``mc_logits``) and BERT's pre-training heads (``prediction_logits``,
+    ``seq_relationship_logits``) came back as the members' mean of raw logits, not the mixture of their softmax; and
+    ELECTRA's discriminator logits ``[B, T]`` (one sigmoid per token) were reduced as a softmax over the sequence."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+
+    def mixture(members: torch.Tensor) -> torch.Tensor:
+        return torch.logsumexp(members.log_softmax(-1), 0) - math.log(members.shape[0])
+
+    small = {"vocab_size": 50, "max_position_embeddings": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    spread = {"init": "normal", "init_mean_std": 0.3}
+    gpt2 = transformers.GPT2DoubleHeadsModel(transformers.GPT2Config(n_embd=16, bos_token_id=0, eos_token_id=1, **small))
+    bayesify.convert(gpt2, **spread).eval()
+    ids, choice = torch.randint(0, 50, (2, 3, 6)), torch.full((2, 3), 5)
+    bert = bayesify.convert(transformers.BertForPreTraining(transformers.BertConfig(hidden_size=16, intermediate_size=32, **small)), **spread).eval()
+    electra_config = transformers.ElectraConfig(embedding_size=16, hidden_size=16, intermediate_size=32, **small)
+    electra = bayesify.convert(transformers.ElectraForPreTraining(electra_config), **spread).eval()
+    tokens = torch.randint(0, 50, (3, 6))
+    with torch.no_grad():
+        out, members = gpt2(input_ids=ids, mc_token_ids=choice), bayesify.predict(gpt2, input_ids=ids, mc_token_ids=choice)
+        torch.testing.assert_close(out.mc_logits, mixture(members.mc_logits))
+        torch.testing.assert_close(out.logits, mixture(members.logits))
+        out, members = bert(input_ids=tokens), bayesify.predict(bert, input_ids=tokens)
+        torch.testing.assert_close(out.seq_relationship_logits, mixture(members.seq_relationship_logits))
+        torch.testing.assert_close(out.prediction_logits, mixture(members.prediction_logits))
+        out, members = electra(input_ids=tokens), bayesify.predict(electra, input_ids=tokens)
+        torch.testing.assert_close(out.logits, torch.logit(members.logits.sigmoid().mean(0)), rtol=1e-4, atol=1e-4)
 
 
 # ---- class outputs that are probabilities already (a final softmax) -------------------------------
