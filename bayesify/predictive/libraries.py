@@ -21,7 +21,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bayesify.predictive.tasks import (
-    Auto, Binary, Classification, CustomTask, Members, MultiLabel, Regression, Task, TaskMap,
+    Auto,
+    Binary,
+    Classification,
+    CustomTask,
+    Members,
+    MultiLabel,
+    Regression,
+    Task,
+    TaskMap,
 )  # fmt: skip
 
 __all__ = [
