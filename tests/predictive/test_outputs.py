@@ -361,18 +361,23 @@ def test_a_gaussian_task_on_a_mean_and_log_variance_tuple_is_refused_not_reduced
         model(torch.randn(3, 4))
 
 
-def test_a_contrastive_models_similarity_matrices_are_each_members_own_pairs() -> None:
-    """CLIP's ``logits_per_image`` / ``logits_per_text`` are ``[B, B]``: a tiled pass makes them ``[K*B, K*B]``, whose
-    blocks off the diagonal pair one member's images with another's texts. Reduced on the rows alone, evaluation
-    returned ``[B, K*B]``, silently. Each member is now its own diagonal block (equal to ``merge(component=k)``), and
-    evaluation their mean, as for every output the task does not name."""
+def _tiny_clip() -> nn.Module:
+    """A converted CLIP of random weights (2 components, spread), in evaluation."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     layers = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
     text = {"vocab_size": 50, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, **layers}
     vision = {"image_size": 32, "patch_size": 8, **layers}
     config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
-    model = bayesify.convert(transformers.CLIPModel(config), components=2, init="normal", init_mean_std=0.3).eval()
+    return bayesify.convert(transformers.CLIPModel(config), components=2, init="normal", init_mean_std=0.3).eval()
+
+
+def test_a_contrastive_models_similarity_matrices_are_each_members_own_pairs() -> None:
+    """CLIP's ``logits_per_image`` / ``logits_per_text`` are ``[B, B]``: a tiled pass makes them ``[K*B, K*B]``, whose
+    blocks off the diagonal pair one member's images with another's texts. Reduced on the rows alone, evaluation
+    returned ``[B, K*B]``, silently. Each member is now its own diagonal block (equal to ``merge(component=k)``), and
+    evaluation their mean, as for every output the task does not name."""
+    model = _tiny_clip()
     ids, pixels = torch.randint(0, 50, (4, 6)), torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         mixture = model(input_ids=ids, pixel_values=pixels)
@@ -394,13 +399,7 @@ def test_a_contrastive_models_towers_given_batches_of_different_sizes_are_refuse
     other tower ran one member's weights for all members (its embeddings 0.49 off the members' mean, the similarity
     matrix 3.5 off; with 2 images and 4 texts at projection width K x 4 the embeddings were reduced on their width).
     The mixture's pass is refused in one line naming ``bayesify.predict``, which runs each member once."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    layers = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
-    text = {"vocab_size": 50, "max_position_embeddings": 16, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1, **layers}
-    vision = {"image_size": 32, "patch_size": 8, **layers}
-    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
-    model = bayesify.convert(transformers.CLIPModel(config), components=2, init="normal", init_mean_std=0.3).eval()
+    model = _tiny_clip()
     ids, pixels = torch.randint(0, 50, (texts, 6)), torch.randn(images, 3, 32, 32)
     with pytest.raises(ValueError, match=rf"batches of different sizes \(input_ids {texts}, pixel_values {images}\).*bayesify\.predict"):
         model(input_ids=ids, pixel_values=pixels)
