@@ -747,18 +747,15 @@ TORCH_TRANSFORMERS = (
 
 
 def torch_masks(root: nn.Module) -> dict[str, tuple[str, ...]]:
-    """The inputs of ``root``'s forward that follow torch's mask conventions whatever ``batch_dim`` says: ``padding``,
-    the key padding masks ``[B, S]`` (torch's name, ``*key_padding_mask``, in any model); ``shared``, a torch
-    transformer module's attention masks, which the root leaves to its attention layers. (Where the sequence is as
-    long as the batch, tiling these at ``batch_dim`` tiled the wrong axis: an error inside torch.)"""
-    try:
-        names = list(inspect.signature(root.forward).parameters)
-    except (TypeError, ValueError):
-        names = []
+    """The inputs of a torch transformer module's forward (the root) that follow torch's mask conventions whatever
+    ``batch_dim`` says: ``padding``, its key padding masks ``[B, S]``; ``shared``, its attention masks, which it leaves
+    to its attention layers. (Where the sequence is as long as the batch, tiling these at ``batch_dim`` tiled the
+    wrong axis: an error inside torch.) A model of one's own lays its masks out as it likes: none here."""
+    if not isinstance(root, TORCH_TRANSFORMERS):
+        return {"padding": (), "shared": ()}
+    names = list(inspect.signature(root.forward).parameters)
     padding = tuple(n for n in names if n.endswith("key_padding_mask"))
-    shared = ()
-    if isinstance(root, TORCH_TRANSFORMERS):
-        shared = tuple(n for n in names if n in ("mask", "src_mask", "tgt_mask", "memory_mask"))
+    shared = tuple(n for n in names if n in ("mask", "src_mask", "tgt_mask", "memory_mask"))
     return {"padding": padding, "shared": shared}
 
 

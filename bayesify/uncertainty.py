@@ -25,7 +25,7 @@ from bayesify.predictive.decompositions import (
 from bayesify.predictive.heads import VarianceParameter, gaussian_head
 from bayesify.predictive.libraries import named_outputs
 from bayesify.predictive.outputs import check_leaf, leaf_task, selected_output
-from bayesify.predictive.tasks import resolve_task
+from bayesify.predictive.tasks import Binary, refuse_sigmoid_outputs, resolve_task
 
 __all__ = [
     "BinaryUncertainty",
@@ -97,4 +97,6 @@ def uncertainty(
     state = model_state(model).router.state  # where the pass took the batch, and its size (a member's output may
     axis = state.axis  # put it elsewhere: a time-major model's last step); None: unbatched
     check_leaf(found, key, model, leaf.shape[1:], axis, state.batch)
+    if isinstance(found, Binary):
+        refuse_sigmoid_outputs(leaf, model_state(model).root or model)
     return found.uncertainty(leaf)

@@ -861,6 +861,32 @@ def test_torchs_transformer_masks_are_tiled_as_torch_lays_them_out_when_the_sequ
     torch.testing.assert_close(out, torch.stack(members).mean(0))
 
 
+def test_a_models_own_key_padding_mask_keeps_its_own_layout() -> None:
+    # a time-major model of one's own whose key_padding_mask is [S, B] like its input (it transposes it for torch):
+    # tiled at batch_dim as before, not at 0 (torch's layout holds for torch's transformer modules only)
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention, self.head = nn.MultiheadAttention(8, 2), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor) -> torch.Tensor:
+            h = self.attention(x, x, x, key_padding_mask=key_padding_mask.T, need_weights=False)[0]
+            return self.head(h).mean(0)
+
+    torch.manual_seed(0)
+    model = bayesify.convert(Encoder(), batch_dim=1, task="classification", init="normal", init_mean_std=0.3).eval()
+    for length in (5, 3):  # (S == B too)
+        x, mask = torch.randn(length, 3, 8), torch.zeros(length, 3, dtype=torch.bool)
+        mask[-1, 0] = True
+        with torch.no_grad():
+            out = model(x, mask)
+            members = []
+            for k in range(4):
+                with bayesify.mode(model, component=k, noise=False):
+                    members.append(model(x, mask).log_softmax(-1))
+        torch.testing.assert_close(out, torch.logsumexp(torch.stack(members), 0) - math.log(4))
+
+
 def test_an_error_inside_a_tiled_pass_names_unbatched_inputs() -> None:
     # a [T, T] mask when the batch happens to be T: tiled with the batch, torch's error said nothing of the fix
     class Encoder(nn.Module):

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from bayesify._router import is_example_list
 from bayesify.evaluation.corruptions import (
     SEVERITIES,
     corrupt_images,
@@ -34,7 +35,7 @@ from bayesify.mode import predict
 from bayesify.model_state import model_state
 from bayesify.predictive.libraries import padding_targets, predicts_next_token, with_decoder_inputs
 from bayesify.predictive.outputs import check_leaf, described, leaf_task, rows_axis, selected_output
-from bayesify.predictive.tasks import Auto, Classification, Task
+from bayesify.predictive.tasks import Auto, Binary, Classification, Task, refuse_sigmoid_outputs
 
 __all__ = [
     "collect_members",
@@ -140,12 +141,14 @@ def _collect_members(
             x = with_decoder_inputs(model, x, y.to(device))
         elif padding_label is not None and labels is None:
             y = padding_targets(x, padding_label)  # (after the decoder inputs: a target made here makes none)
-        value = _forward(model, x, converted, samples, noise)
+        value = _forward(model, x, converted, samples, noise, task)
         members, key = selected_output(value, output, type(model).__name__, "evaluate()")
         if not converted:
             members = members.unsqueeze(0)
         if task is not None and not outputs:
             scored = leaf_task(task, key, model)
+            if isinstance(scored, Binary):  # (a final sigmoid: its probabilities would be taken as logits)
+                refuse_sigmoid_outputs(members, model_state(model).root or model if converted else model)
             # the pass's batch: a member's output may hold it at another axis than the input (a time-major RNN's last step)
             if converted:
                 check_leaf(scored, key, model, members.shape[1:], batch_dim, model_state(model).router.state.batch)
@@ -232,11 +235,14 @@ def _inputs_map(x: object, f: Callable[[Tensor], Tensor]) -> object:
     return f(x)
 
 
-def _positional_inputs(model: nn.Module, x: object) -> bool:
-    """Whether the inputs ``x`` are a tuple / list of the model's positional inputs (``((x1, x2), y)`` batches; a
-    DataLoader hands the inner tuple on as a list): as many tensors as its forward takes positionally, where it
-    needs two or more (a detector's list of images is its one input)."""
+def _positional_inputs(model: nn.Module, x: object, task: Task | None) -> bool:
+    """Whether the inputs ``x`` are a tuple / list of the model's positional inputs (``((x1, x2), y)`` or
+    ``((x, mask), y)`` batches; a DataLoader hands the inner tuple on as a list): tensors of one batch, as many as its
+    forward takes positionally (a detector's list of images, one size each or a model that returns its members as
+    they are, is its one input)."""
     if not isinstance(x, (tuple, list)) or len(x) < 2 or not all(isinstance(v, Tensor) for v in x):
+        return False
+    if is_example_list(x, task, 0):
         return False
     try:
         parameters = inspect.signature(model.forward).parameters.values()
@@ -245,16 +251,19 @@ def _positional_inputs(model: nn.Module, x: object) -> bool:
     P = inspect.Parameter
     positional = [p for p in parameters if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is P.empty]
-    return 2 <= len(required) <= len(x) <= len(positional)
+    more = any(p.kind is P.VAR_POSITIONAL for p in parameters)
+    return len(required) <= len(x) and (more or len(x) <= len(positional))
 
 
-def _forward(model: nn.Module, x: object, converted: bool, samples: int, noise: bool | None) -> object:
+def _forward(
+    model: nn.Module, x: object, converted: bool, samples: int, noise: bool | None, task: Task | None = None
+) -> object:
     """The model on the inputs ``x`` (a mapping: its keyword inputs; a tuple of its positional inputs): a converted
     model's members (:func:`bayesify.predict`), a plain model's output."""
     if isinstance(x, Mapping):
         args, kwargs = (), dict(x)
     else:
-        args, kwargs = (tuple(x) if _positional_inputs(model, x) else (x,)), {}
+        args, kwargs = (tuple(x) if _positional_inputs(model, x, task) else (x,)), {}
     return predict(model, *args, samples=samples, noise=noise, **kwargs) if converted else model(*args, **kwargs)
 
 

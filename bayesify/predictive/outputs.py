@@ -150,7 +150,7 @@ def reduce_output(
         if look and isinstance(found, Classification):
             refuse_probabilities(stacked, found.axis(stacked.shape[1:]) + 1)
         elif look and isinstance(found, Binary):
-            refuse_sigmoid_outputs(stacked)
+            refuse_sigmoid_outputs(stacked, model)
         return found.reduce(stacked)
 
     as_logits: list[tuple[int, ...]] = []  # the leaves one task of logits reduced

@@ -48,7 +48,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from bayesify.mixture import logmeanexp
 from bayesify.options import StrOption, VarianceParameter
@@ -244,27 +244,28 @@ def refuse_probabilities(members: Tensor, axis: int) -> None:
         )
 
 
-def refuse_sigmoid_outputs(members: Tensor) -> None:
-    """Binary outputs that are probabilities already (a model ending in a sigmoid) would go through a sigmoid again
-    (every prediction near 0.5 or above, the NLL and accuracy wrong, silently). Refused in one line where at least 64
-    values, not all equal, all lie in [0, 1]: logits of a model that learned anything, or of a random head, take both
-    signs (the chance that 64 random logits all lie in [0, 1] is below 1e-19). Reads values: not in a traced graph."""
+def refuse_sigmoid_outputs(members: Tensor, model: nn.Module) -> None:
+    """Binary outputs that are probabilities already (a model ending in ``nn.Sigmoid``) would go through a sigmoid
+    again (every prediction near 0.5 or above, the NLL and accuracy wrong, silently). Refused in one line where the
+    model's last module is a sigmoid and every value lies in [0, 1]; logits alone cannot tell (a head whose bias is
+    set to the class prior starts with every logit in [0, 1]). Reads values: not in a traced graph."""
+    last = next(reversed(list(model.modules())), None)
     if (
-        torch.compiler.is_compiling()
+        not isinstance(last, nn.Sigmoid)
+        or torch.compiler.is_compiling()
         or torch._C._are_functorch_transforms_active()
         or isinstance(members, torch._subclasses.FakeTensor)
         or members.device.type == "meta"
         or not members.is_floating_point()
-        or members.numel() < 64
+        or members.numel() == 0
     ):
         return
     values = members.detach()
-    low, high = values.min(), values.max()
-    if bool((low >= 0) & (high <= 1) & (high > low)):
+    if bool((values.min() >= 0) & (values.max() <= 1)):
         raise ValueError(
-            "the model's binary outputs are probabilities (every value in [0, 1]: a final sigmoid), but "
-            "task='binary' / 'multilabel' takes logits and takes their sigmoid; return the logits (leave the sigmoid "
-            "out, train with BCEWithLogitsLoss), or say task='members' to stack the members as they are."
+            f"the binary outputs of {type(model).__name__} are probabilities (it ends in a sigmoid, every value in "
+            "[0, 1]), but task='binary' / 'multilabel' takes logits and takes their sigmoid; return the logits (leave "
+            "the sigmoid out, train with BCEWithLogitsLoss), or say task='members' to stack the members as they are."
         )
 
 
@@ -296,12 +297,10 @@ class Binary(Task):
         return _per_row(-F.binary_cross_entropy_with_logits(z, target.to(z.dtype), reduction="none"))
 
     def uncertainty(self, members: Tensor) -> decompositions.BinaryUncertainty:
-        refuse_sigmoid_outputs(members)
         return decompositions.binary_uncertainty(members)
 
     def member_log_probs(self, members: Tensor) -> Tensor:
         """Every (example, label) a two-class problem: ``[S, N * labels, 2]`` (log(1 - p), log p)."""
-        refuse_sigmoid_outputs(members)
         logits = members.reshape(members.shape[0], -1).float()
         return torch.stack([F.logsigmoid(-logits), F.logsigmoid(logits)], -1)
 

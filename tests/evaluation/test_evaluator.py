@@ -382,14 +382,22 @@ def test_binary_outputs_that_are_probabilities_already_are_refused():
     x, y = torch.randn(64, 5), torch.arange(64) % 2
     head = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1), nn.Sigmoid())
     net = bayesify.convert(head, task="binary", init="normal", init_mean_std=0.3).eval()
-    with pytest.raises(ValueError, match=r"binary outputs are probabilities \(every value in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"binary outputs of Sequential are probabilities \(it ends in a sigmoid"):
         net(x)
-    with pytest.raises(ValueError, match=r"binary outputs are probabilities"):
+    with pytest.raises(ValueError, match=r"binary outputs of Sequential are probabilities"):
         evaluate(net, torch.utils.data.TensorDataset(x, y))
-    with pytest.raises(ValueError, match=r"binary outputs are probabilities"):
+    with pytest.raises(ValueError, match=r"binary outputs of Sequential are probabilities"):
         bayesify.uncertainty(net, x)
     logits = bayesify.convert(nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1)), task="binary").eval()
     assert evaluate(logits, torch.utils.data.TensorDataset(x, y))["nll"] > 0  # (logits of both signs: scored)
+    # a head whose bias starts at the class prior (log 0.7 / 0.3) and tiny weights: logits all in [0, 1], not refused
+    prior = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 1))
+    with torch.no_grad():
+        prior[2].weight.mul_(1e-3), prior[2].bias.fill_(0.85)
+    prior = bayesify.convert(prior, task="binary").eval()
+    assert bool((prior(x) >= 0).all() & (prior(x) <= 1).all())
+    assert evaluate(prior, torch.utils.data.TensorDataset(x, y))["nll"] > 0
+    bayesify.uncertainty(prior, x)
 
 
 def test_a_model_of_two_inputs_is_evaluated_on_pairs_of_a_tuple_of_inputs_and_a_target():
@@ -417,3 +425,19 @@ def test_a_model_of_two_inputs_is_evaluated_on_pairs_of_a_tuple_of_inputs_and_a_
         want = F.cross_entropy(net.eval()(x1, x2), y).item()  # (eval's output: the log of the mixture)
     assert got["nll"] == pytest.approx(want, rel=1e-5)
     assert evaluate(net, Pairs(), batch_size=20)["nll"] == pytest.approx(want, rel=1e-5)
+
+    class Masked(nn.Module):  # forward(x, mask=None): ((x, mask), y) batches are its two inputs
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.out = nn.Linear(4, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            return self.out(h if mask is None else h * mask)
+
+    mask = (torch.arange(20) % 2).float()[:, None]
+    masked = bayesify.convert(Masked(), task="classification", init="normal", init_mean_std=0.3)
+    with torch.no_grad():
+        want = F.cross_entropy(masked.eval()(x1, mask), y).item()
+    batches = torch.utils.data.DataLoader(list(zip(zip(x1, mask), y)), batch_size=8)  # ((x, mask), y) examples
+    assert evaluate(masked, batches)["nll"] == pytest.approx(want, rel=1e-5)
