@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_flatten_with_path, tree_unfla
 from bayesify.config import ModelOptions
 from bayesify.mixture import split_members, tile
 from bayesify.options import Route, Sampling
-from bayesify.predictive.libraries import huggingface_model
+from bayesify.predictive.libraries import tower_batches
 from bayesify.predictive.outputs import (
     check_rows,
     is_packed,
@@ -198,8 +198,9 @@ class Router:
         return len(args) > 0 and is_example_list(args[0], spec.task or task, self.options.batch_dim)
 
     def separate_batches(self, root: nn.Module, args: tuple, kwargs: dict) -> dict[str, int] | None:
-        """A Hugging Face model's tower inputs (:func:`tower_batches`) when they hold batches of different sizes
-        (CLIP's zero-shot: N images, M prompts), else None: one tiled pass cannot route both towers' members."""
+        """The model's tower inputs (:func:`~bayesify.predictive.libraries.tower_batches`) when they hold batches of
+        different sizes (CLIP's zero-shot: N images, M prompts), else None: one tiled pass cannot route both towers'
+        members."""
         if torch.compiler.is_compiling():
             return None
         sizes = tower_batches(root, args, kwargs)
@@ -741,7 +742,7 @@ def member_rows(components: int, rows_each: int, device: torch.device) -> Tensor
 
 # torch's transformer modules: a model of these takes the batch where batch_first says (convert checks), attention
 # masks [L, S] shared by the batch or [B * heads, L, S] (its attention layers tile those), key padding masks [B, S]
-TORCH_TRANSFORMERS = (
+TORCH_TRANSFORMER_MODULES = (
     nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer
 )
 
@@ -751,31 +752,12 @@ def torch_masks(root: nn.Module) -> dict[str, tuple[str, ...]]:
     ``batch_dim`` says: ``padding``, its key padding masks ``[B, S]``; ``shared``, its attention masks, which it leaves
     to its attention layers. (Where the sequence is as long as the batch, tiling these at ``batch_dim`` tiled the
     wrong axis: an error inside torch.) A model of one's own lays its masks out as it likes: none here."""
-    if not isinstance(root, TORCH_TRANSFORMERS):
+    if not isinstance(root, TORCH_TRANSFORMER_MODULES):
         return {"padding": (), "shared": ()}
     names = list(inspect.signature(root.forward).parameters)
     padding = tuple(n for n in names if n.endswith("key_padding_mask"))
     shared = tuple(n for n in names if n in ("mask", "src_mask", "tgt_mask", "memory_mask"))
     return {"padding": padding, "shared": shared}
-
-
-# a Hugging Face model's main input of each modality (batch-first), and its fewest dimensions with a batch: a tower's
-_TOWER_INPUTS = {"input_ids": 2, "inputs_embeds": 3, "pixel_values": 4, "input_values": 2, "input_features": 3}
-
-
-def tower_batches(root: nn.Module, args: tuple, kwargs: dict) -> dict[str, int]:
-    """The batch of each tower input a Hugging Face model was given (CLIP's ``input_ids`` and ``pixel_values``), by
-    name; empty for any other model. (A vision-language model's flat patches ``[patches, dim]`` are no tower's.)"""
-    if huggingface_model(root) is None:
-        return {}
-    try:
-        given = inspect.signature(root.forward).bind_partial(*args, **kwargs).arguments
-    except (TypeError, ValueError):
-        given = kwargs
-    return {
-        name: int(value.shape[0]) for name, dims in _TOWER_INPUTS.items()
-        if isinstance(value := given.get(name), Tensor) and value.dim() >= dims
-    }  # fmt: skip
 
 
 def input_positions(root: nn.Module, inputs: tuple[str | int, ...]) -> tuple[frozenset[int], frozenset[str]]:

@@ -17,7 +17,7 @@ from typing import Iterable, Mapping, Unpack
 
 from torch import nn
 
-from bayesify._router import TORCH_TRANSFORMERS, input_positions
+from bayesify._router import TORCH_TRANSFORMER_MODULES, input_positions
 from bayesify.config import LayerOptions, Rank1Config, Rank1Options, options_doc, scoped
 from bayesify.inspection import NORM_LAYERS, inside, rank1_layers
 from bayesify.layers.attention import Rank1MultiheadAttention
@@ -417,7 +417,7 @@ def _check_transformer_layout(model: nn.Module, batch_dim: int) -> None:
     """Refuse, before any change, torch's transformer module used as the model with a ``batch_dim`` that is not
     where its ``batch_first`` puts the batch: evaluation tiled the sequence (its mixture off by 0.76 on a time-major
     encoder), and a padding or attention mask failed inside torch."""
-    if not isinstance(model, TORCH_TRANSFORMERS):
+    if not isinstance(model, TORCH_TRANSFORMER_MODULES):
         return
     attention = next((m for m in model.modules() if isinstance(m, nn.MultiheadAttention)), None)
     batch_first = bool(getattr(model, "batch_first", getattr(attention, "batch_first", False)))

@@ -34,7 +34,7 @@ from bayesify.predictive.tasks import (
 
 __all__ = [
     "PAIRWISE_OUTPUTS", "WEIGHT_AS_IS", "HuggingFaceTask", "huggingface_loss", "infer_task", "padding_targets",
-    "predicts_next_token", "said_of_model", "with_decoder_inputs",
+    "predicts_next_token", "said_of_model", "tower_batches", "with_decoder_inputs",
 ]
 
 # Hugging Face outputs that pair the batch's examples with each other (a contrastive image-text model's similarity
@@ -237,6 +237,25 @@ def huggingface_model(model: nn.Module) -> nn.Module | None:
         inner = model.get_base_model()
         return inner if isinstance(inner, base) else None
     return None
+
+
+# a Hugging Face model's main input of each modality (batch-first), and its fewest dimensions with a batch: a tower's
+_TOWER_INPUTS = {"input_ids": 2, "inputs_embeds": 3, "pixel_values": 4, "input_values": 2, "input_features": 3}
+
+
+def tower_batches(root: nn.Module, args: tuple, kwargs: dict) -> dict[str, int]:
+    """The batch of each tower input a Hugging Face model was given (CLIP's ``input_ids`` and ``pixel_values``), by
+    name; empty for any other model. (A vision-language model's flat patches ``[patches, dim]`` are no tower's.)"""
+    if huggingface_model(root) is None:
+        return {}
+    try:
+        given = inspect.signature(root.forward).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        given = kwargs
+    return {
+        name: int(value.shape[0]) for name, dims in _TOWER_INPUTS.items()
+        if isinstance(value := given.get(name), Tensor) and value.dim() >= dims
+    }  # fmt: skip
 
 
 def said_of_model(said: Task, stated: Task | None) -> Task:
