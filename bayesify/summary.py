@@ -132,20 +132,30 @@ def _row_order(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, str]:
     """The converted layers called on ``m x B`` rows (``m > 1``) that are not each example's ``m`` rows one after
     another, as bayesify routes them (row ``i`` through example ``i // m``'s component: windows, tokens flattened
     batch-first), but laid out otherwise: a ``torch.cat`` of two batches, a time-major ``[T, B]`` flattened. Shapes
-    cannot tell these apart; moving example 0 of the floating-point inputs and seeing which rows of each call move
-    can. Two passes in evaluation, one component, nothing left behind; {} where no input is a float batch."""
+    cannot tell these apart; moving example 0 of the inputs (its floating-point values, or its tokens: a grid of
+    integers ``[B, T]`` or more, each taken to the next id in the batch's range) and seeing which rows of each call
+    move can. Two passes in evaluation, one component, nothing left behind; {} where no input can be moved."""
     batch_dim = model_state(model).options.batch_dim
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim() > batch_dim]
     sizes = {t.shape[batch_dim] for t in tensors}
-    if len(sizes) != 1 or next(iter(sizes)) < 2 or not any(t.is_floating_point() for t in tensors):
+
+    def movable(t: torch.Tensor) -> bool:  # (not 1-D integers: lengths, which packing may need sorted)
+        tokens = not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool and t.dim() >= 2
+        return t.is_floating_point() or (tokens and int(t.max()) > 0)
+
+    if len(sizes) != 1 or next(iter(sizes)) < 2 or not any(movable(t) for t in tensors):
         return {}
     batch = next(iter(sizes))
 
     def moved(t: object) -> object:
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() <= batch_dim:
+        if not isinstance(t, torch.Tensor) or t.dim() <= batch_dim or not movable(t):
             return t
         t = t.clone()
-        t.select(batch_dim, 0).add_(1.0)
+        if t.is_floating_point():
+            t.select(batch_dim, 0).add_(1.0)
+        else:  # each of example 0's tokens the next id, within the ids the batch uses (no id outside a vocabulary)
+            row = t.select(batch_dim, 0)
+            row.copy_((row + 1) % (int(t.max()) + 1))
         return t
 
     seen: list[dict[str, list[torch.Tensor]]] = [{}, {}]

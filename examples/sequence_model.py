@@ -1,6 +1,6 @@
 """The paper's MIMIC-III-style model on token sequences: embedding -> GRU / LSTM -> a binary head.
 
-    python examples/sequence_model.py                 # GRU, about a minute on a 2-core CPU
+    python examples/sequence_model.py                 # GRU, a few minutes on a 2-core CPU
     python examples/sequence_model.py --cell lstm     # the paper's cell (learns this task more slowly)
     python examples/sequence_model.py --smoke         # a few seconds (what tests/test_example_sequence_model.py runs)
 

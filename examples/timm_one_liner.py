@@ -1,6 +1,6 @@
 """A timm model made Bayesian with one line, trained, and compared with the same net deterministic.
 
-    python examples/timm_one_liner.py                    # resnet10t, 4 epochs: about a minute on a 2-core CPU
+    python examples/timm_one_liner.py                    # resnet10t, 4 epochs: a few minutes on a 2-core CPU
     python examples/timm_one_liner.py --model resnet18   # any timm classifier
     python examples/timm_one_liner.py --smoke            # a few seconds (tests/test_example_timm_one_liner.py)
 

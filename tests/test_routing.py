@@ -887,6 +887,37 @@ def test_a_models_own_key_padding_mask_keeps_its_own_layout() -> None:
         torch.testing.assert_close(out, torch.logsumexp(torch.stack(members), 0) - math.log(4))
 
 
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_a_time_major_models_last_step_as_wide_as_the_members_rows_is_reduced_at_its_batch(task: str) -> None:
+    # a time-major GRU (batch_dim=1) whose last step [B, D] has D == K x B: both axes hold the pass's rows, and the
+    # input's (1) was taken: regression averaged the features (shape [D, B], 0.44 off), classification was refused as
+    # a softmax across the examples. The input's first axis (3 steps) is not K x B, so the output's first axis holds
+    # the batch; where the steps are K x B too, the input's axis stays (and a 3-axis output warns)
+    class LastStep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.head = nn.GRU(3, 6), nn.Linear(6, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(x)[0][-1])  # [B, 8]
+
+    torch.manual_seed(0)
+    model = bayesify.convert(LastStep(), batch_dim=1, task=task, init="normal", init_mean_std=0.3).eval()
+    x = torch.randn(3, 2, 3)  # T=3 steps, B=2: K x B = 8 = D
+    with torch.no_grad():
+        out = model(x)
+        members = []
+        for k in range(4):
+            with bayesify.mode(model, component=k, noise=False):
+                members.append(model(x))
+        stacked = bayesify.predict(model, x)
+    members = torch.stack(members)
+    want = members.mean(0) if task == "regression" else torch.logsumexp(members.log_softmax(-1), 0) - math.log(4)
+    assert out.shape == (2, 8) and stacked.shape == (4, 2, 8)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(stacked, members)
+
+
 def test_an_error_inside_a_tiled_pass_names_unbatched_inputs() -> None:
     # a [T, T] mask when the batch happens to be T: tiled with the batch, torch's error said nothing of the fix
     class Encoder(nn.Module):

@@ -150,3 +150,21 @@ def test_summary_finds_a_time_major_layer_whose_length_equals_the_batch() -> Non
         report = bayesify.summary(model, torch.randn(4, 6, 8))
     assert set(report.misordered) == {"mix"}, report.misordered
     assert "another axis of size 4: its batch lies there" in report.misordered["mix"]
+
+
+def test_summary_moves_token_ids_to_find_a_time_major_layer() -> None:
+    # a text model takes integer tokens [B, T]: the row check moved float inputs only, and with none it said nothing
+    # ("every converted layer ran"); example 0's tokens are moved to the next id in the batch's range
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.mix, self.head = nn.Embedding(20, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, T]
+            return self.head(self.mix(self.emb(tokens).transpose(0, 1)).mean(0))  # a time-major Linear inside
+
+    torch.manual_seed(0)
+    model = bayesify.convert(Tagger(), task="classification")
+    report = bayesify.summary(model, torch.randint(0, 20, (5, 5)))
+    assert set(report.misordered) == {"mix"}, report.misordered
+    assert "batch lies on another axis" in report.misordered["mix"]

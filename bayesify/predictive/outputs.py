@@ -98,11 +98,13 @@ def reduce_output(
     axes: list[int | None],
     inputs: dict,
     look: bool = False,
+    input_shape: tuple[int, ...] | None = None,
 ) -> object:
     """The mixture predictive of a tiled ``output`` (``members * batch`` rows at each leaf's batch axis ``axes``;
     ``axis`` None: one unbatched example, the members along the leaf's axis); ``inputs``: the call's keyword
     arguments (a task may read them, e.g. a Hugging Face model's ``labels``). ``look``: a model's first mixture
-    pass, whose class outputs are looked at for probabilities (:func:`~bayesify.predictive.tasks.refuse_probabilities`)."""
+    pass, whose class outputs are looked at for probabilities (:func:`~bayesify.predictive.tasks.refuse_probabilities`).
+    ``input_shape``: the first input's, as given (:func:`rows_axis`)."""
     leaves, tree = tree_flatten_with_path(output, is_leaf=is_packed)
     primary = primary_leaf(output)
 
@@ -110,7 +112,7 @@ def reduce_output(
         key = output_key(path)
         if axis is not None:
             t = members_own_pairs(key, t, members, batch)
-            dim = rows_axis(t, dim, members * batch)
+            dim = rows_axis(t, dim, members * batch, input_shape)
         if isinstance(t, PackedSequence):
             return _reduce_packed(t, members, batch, leaf_task(task, key, model, t, members))
         if task.recomputes(key):
@@ -295,11 +297,17 @@ def primary_leaf(output: object) -> object:
         return None
 
 
-def rows_axis(t: object, dim: int | None, rows: int) -> int | None:
+def rows_axis(t: object, dim: int | None, rows: int, input_shape: tuple[int, ...] | None = None) -> int | None:
     """The axis of a tiled leaf's ``rows`` (members x batch): where the input has its batch, else the one axis of
     that size (an output that puts the batch elsewhere, as a time-major RNN's last step ``[B, C]`` with
-    ``batch_dim=1``); two or more such axes are refused: which one is the batch cannot be told."""
-    if not isinstance(t, Tensor) or dim is None or t.dim() == 0 or (t.dim() > dim and t.shape[dim] == rows):
+    ``batch_dim=1``); two or more such axes are refused: which one is the batch cannot be told. Where the input's
+    axis and the first both have ``rows`` (that last step with C == K x B), the first holds the batch if the input's
+    first axis (``input_shape``, as given: a time-major model's steps) has another size: it is not those steps."""
+    if not isinstance(t, Tensor) or dim is None or t.dim() == 0:
+        return dim
+    if t.dim() > dim and t.shape[dim] == rows:
+        if dim > 0 and t.shape[0] == rows and input_shape is not None and len(input_shape) > dim and input_shape[0] != rows:
+            return 0  # (its regression or classes took the input's axis, silently: the members' mean on the features)
         return dim
     found = [i for i, size in enumerate(t.shape) if size == rows]
     if len(found) > 1:
