@@ -124,7 +124,8 @@ class Router:
     # the root's inputs that hold no batch (options.unbatched_inputs; a torch transformer's attention masks, which its
     # attention layers tile themselves): their positions and their keyword names
     unbatched: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
-    # the root's inputs that hold the batch at dimension 0 whatever batch_dim says: torch's key padding masks [B, S]
+    # the root's inputs that hold the batch at dimension 0 whatever batch_dim says: a torch transformer root's key
+    # padding masks [B, S]
     batch_first: tuple[frozenset[int], frozenset[str]] = (frozenset(), frozenset())
     # the thread of the pass in flight, and of each mode() in force (eagerly): the routing of a pass is the model's,
     # so another thread's pass or mode() would route this one's rows (a plain eval call returned mode()'s member)
@@ -508,7 +509,7 @@ class Router:
         axes = layer.rank1_input_axes(args, kwargs) if layer is not None else None
         if axes is None:
             axes = [(0 if t is first else None) if axis is None else axis for t in leaves]
-            if axis is not None and any(self.batch_first):  # (a key padding mask [B, S] of a time-major model)
+            if axis is not None and any(self.batch_first):  # (a time-major torch transformer's key padding mask)
                 axes = [0 if b else a for a, b in zip(axes, self._leaves_in(self.batch_first, args, kwargs))]
 
         def unambiguous() -> bool:  # (asked only of a 1-D leaf: no guard on the sizes in a compiled pass otherwise)
@@ -602,8 +603,8 @@ class Router:
         """A pass whose layers ran under activation checkpointing: when a backward pass reaches its output, its
         routing becomes the router's again, for the recomputation of its layers (another pass since, a monitoring
         pass in evaluation or a second view, left its own rows there: the recomputation took them, its gradients
-        silently wrong or a shape error inside torch). Two such passes reached by one backward are refused: their
-        recomputations cannot be told apart."""
+        silently wrong or a shape error inside torch). A recomputation in a backward that reached two such passes is
+        refused (:meth:`_check_recomputed_pass`): which pass it belongs to cannot be told."""
         leaves = [t for t in tree_flatten(output, is_leaf=is_packed)[0] if isinstance(t, Tensor) and t.requires_grad]
         if not leaves:
             return

@@ -141,7 +141,7 @@ def _row_order(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, str]:
 
     def movable(t: torch.Tensor) -> bool:  # (not 1-D integers: lengths, which packing may need sorted)
         tokens = not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool and t.dim() >= 2
-        return t.is_floating_point() or (tokens and int(t.max()) > 0)
+        return t.is_floating_point() or (tokens and t.numel() > 0 and int(t.max()) > 0)
 
     if len(sizes) != 1 or next(iter(sizes)) < 2 or not any(movable(t) for t in tensors):
         return {}
