@@ -596,7 +596,7 @@ class Router:
         axes = self.output_axes(module, output, state.axis)
         return reduce_output(
             module, output, state.spec.task or task, members=state.members, batch=state.batch, axis=state.axis,
-            axes=axes, inputs=inputs, look=look, input_shape=state.input_shape,
+            axes=axes, inputs=inputs, look=look,
         )  # fmt: skip
 
     def _watch_backward(self, root: nn.Module, state: ForwardState, output: object) -> None:
@@ -659,7 +659,7 @@ class Router:
         def split_leaf(path: tuple, t: object, dim: int | None) -> object:
             if axis is not None and batch:  # (the batch may lie elsewhere in an output: as the reduction finds it)
                 t = members_own_pairs(output_key(path), t, state.members, batch)
-                dim = rows_axis(t, dim, state.members * batch, state.input_shape)
+                dim = rows_axis(t, dim, state.members * batch)
             if dim is None or not isinstance(t, Tensor) or t.dim() <= dim:
                 return t
             if axis is None:

@@ -155,7 +155,7 @@ def _row_order(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, str]:
             t.select(batch_dim, 0).add_(1.0)
         else:  # each of example 0's tokens the next id, within the ids the batch uses (no id outside a vocabulary)
             row = t.select(batch_dim, 0)
-            row.copy_((row + 1) % (int(t.max()) + 1))
+            row.copy_(((row.long() + 1) % (int(t.max()) + 1)).to(t.dtype))  # (in int64: uint8's 255 + 1 wraps)
         return t
 
     seen: list[dict[str, list[torch.Tensor]]] = [{}, {}]

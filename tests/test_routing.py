@@ -887,12 +887,11 @@ def test_a_models_own_key_padding_mask_keeps_its_own_layout() -> None:
         torch.testing.assert_close(out, torch.logsumexp(torch.stack(members), 0) - math.log(4))
 
 
-@pytest.mark.parametrize("task", ["regression", "classification"])
-def test_a_time_major_models_last_step_as_wide_as_the_members_rows_is_reduced_at_its_batch(task: str) -> None:
+def test_a_time_major_models_last_step_as_wide_as_the_members_rows_warns_which_axis_it_reduced() -> None:
     # a time-major GRU (batch_dim=1) whose last step [B, D] has D == K x B: both axes hold the pass's rows, and the
-    # input's (1) was taken: regression averaged the features (shape [D, B], 0.44 off), classification was refused as
-    # a softmax across the examples. The input's first axis (3 steps) is not K x B, so the output's first axis holds
-    # the batch; where the steps are K x B too, the input's axis stays (and a 3-axis output warns)
+    # input's (1) is taken, which averages the features here (0.44 off), silently: it warns, naming both axes. Taking
+    # the first axis instead would be wrong for the outputs whose first axis is not the batch (an RNN's state with as
+    # many layers as rows, a decoder's steps), which are right as they are and stay so
     class LastStep(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -902,20 +901,22 @@ def test_a_time_major_models_last_step_as_wide_as_the_members_rows_is_reduced_at
             return self.head(self.rnn(x)[0][-1])  # [B, 8]
 
     torch.manual_seed(0)
-    model = bayesify.convert(LastStep(), batch_dim=1, task=task, init="normal", init_mean_std=0.3).eval()
-    x = torch.randn(3, 2, 3)  # T=3 steps, B=2: K x B = 8 = D
+    model = bayesify.convert(LastStep(), batch_dim=1, task="regression", init="normal", init_mean_std=0.3).eval()
+    with pytest.warns(UserWarning, match=r"member rows at dimensions 1 and 0; bayesify took dimension 1.*batch-first"):
+        model(torch.randn(3, 2, 3))  # T=3 steps, B=2: K x B = 8 = D
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(3, 3, 3))  # (D != K x B: no warning)
+    # a GRU's state [layers, B, H] with 4 layers at B=1: the input's axis, right
+    gru = bayesify.convert(nn.GRU(3, 5, num_layers=4), batch_dim=1, task="regression", init="normal", init_mean_std=0.3)
+    x = torch.randn(5, 1, 3)
     with torch.no_grad():
-        out = model(x)
+        state = gru.eval()(x)[1]
         members = []
         for k in range(4):
-            with bayesify.mode(model, component=k, noise=False):
-                members.append(model(x))
-        stacked = bayesify.predict(model, x)
-    members = torch.stack(members)
-    want = members.mean(0) if task == "regression" else torch.logsumexp(members.log_softmax(-1), 0) - math.log(4)
-    assert out.shape == (2, 8) and stacked.shape == (4, 2, 8)
-    torch.testing.assert_close(out, want)
-    torch.testing.assert_close(stacked, members)
+            with bayesify.mode(gru, component=k, noise=False):
+                members.append(gru(x)[1])
+    torch.testing.assert_close(state, torch.stack(members).mean(0))
 
 
 def test_an_error_inside_a_tiled_pass_names_unbatched_inputs() -> None:

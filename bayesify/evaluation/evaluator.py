@@ -141,7 +141,7 @@ def _collect_members(
             x = with_decoder_inputs(model, x, y.to(device))
         elif padding_label is not None and labels is None:
             y = padding_targets(x, padding_label)  # (after the decoder inputs: a target made here makes none)
-        value = _forward(model, x, converted, samples, noise, task)
+        value = _forward(model, x, converted, samples, noise, task, batch_dim)
         members, key = selected_output(value, output, type(model).__name__, "evaluate()")
         if not converted:
             members = members.unsqueeze(0)
@@ -235,14 +235,12 @@ def _inputs_map(x: object, f: Callable[[Tensor], Tensor]) -> object:
     return f(x)
 
 
-def _positional_inputs(model: nn.Module, x: object, task: Task | None) -> bool:
+def _positional_inputs(model: nn.Module, x: object, task: Task | None, batch_dim: int = 0) -> bool:
     """Whether the inputs ``x`` are a tuple / list of the model's positional inputs (``((x1, x2), y)`` or
     ``((x, mask), y)`` batches; a DataLoader hands the inner tuple on as a list): tensors of one batch, as many as its
     forward takes positionally (a detector's list of images, one size each or a model that returns its members as
     they are, is its one input)."""
     if not isinstance(x, (tuple, list)) or len(x) < 2 or not all(isinstance(v, Tensor) for v in x):
-        return False
-    if is_example_list(x, task, 0):
         return False
     try:
         parameters = inspect.signature(model.forward).parameters.values()
@@ -252,18 +250,25 @@ def _positional_inputs(model: nn.Module, x: object, task: Task | None) -> bool:
     positional = [p for p in parameters if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
     required = [p for p in positional if p.default is P.empty]
     more = any(p.kind is P.VAR_POSITIONAL for p in parameters)
-    return len(required) <= len(x) and (more or len(x) <= len(positional))
+    # an optional input a tensor would fill must default to None (forward(x, mask=None)), not to a number or a flag
+    # (forward(views, scale=1.0) takes the tuple as its one input)
+    filled = positional[len(required) : len(x)]
+    if not (len(required) <= len(x) and (more or len(x) <= len(positional)) and all(p.default is None for p in filled)):
+        return False
+    # a forward that needs one input (a detector's forward(images, targets=None)) takes a list of examples as it
+    return len(required) >= 2 or not is_example_list(x, task, batch_dim)
 
 
 def _forward(
-    model: nn.Module, x: object, converted: bool, samples: int, noise: bool | None, task: Task | None = None
+    model: nn.Module, x: object, converted: bool, samples: int, noise: bool | None, task: Task | None = None,
+    batch_dim: int = 0,
 ) -> object:
     """The model on the inputs ``x`` (a mapping: its keyword inputs; a tuple of its positional inputs): a converted
     model's members (:func:`bayesify.predict`), a plain model's output."""
     if isinstance(x, Mapping):
         args, kwargs = (), dict(x)
     else:
-        args, kwargs = (tuple(x) if _positional_inputs(model, x, task) else (x,)), {}
+        args, kwargs = (tuple(x) if _positional_inputs(model, x, task, batch_dim) else (x,)), {}
     return predict(model, *args, samples=samples, noise=noise, **kwargs) if converted else model(*args, **kwargs)
 
 

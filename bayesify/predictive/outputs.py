@@ -98,13 +98,11 @@ def reduce_output(
     axes: list[int | None],
     inputs: dict,
     look: bool = False,
-    input_shape: tuple[int, ...] | None = None,
 ) -> object:
     """The mixture predictive of a tiled ``output`` (``members * batch`` rows at each leaf's batch axis ``axes``;
     ``axis`` None: one unbatched example, the members along the leaf's axis); ``inputs``: the call's keyword
     arguments (a task may read them, e.g. a Hugging Face model's ``labels``). ``look``: a model's first mixture
-    pass, whose class outputs are looked at for probabilities (:func:`~bayesify.predictive.tasks.refuse_probabilities`).
-    ``input_shape``: the first input's, as given (:func:`rows_axis`)."""
+    pass, whose class outputs are looked at for probabilities (:func:`~bayesify.predictive.tasks.refuse_probabilities`)."""
     leaves, tree = tree_flatten_with_path(output, is_leaf=is_packed)
     primary = primary_leaf(output)
 
@@ -112,7 +110,7 @@ def reduce_output(
         key = output_key(path)
         if axis is not None:
             t = members_own_pairs(key, t, members, batch)
-            dim = rows_axis(t, dim, members * batch, input_shape)
+            dim = rows_axis(t, dim, members * batch)
         if isinstance(t, PackedSequence):
             return _reduce_packed(t, members, batch, leaf_task(task, key, model, t, members))
         if task.recomputes(key):
@@ -245,8 +243,10 @@ def _warn_two_row_axes(model: nn.Module, t: Tensor, dim: int, rows: int, task: T
     batch-first output whose length is K x B by chance, and wrong for one that puts its batch elsewhere (a
     time-major [T, B, C] output of a batch-first model with T == K x B: its time steps averaged as members). A
     sequence output only (3 axes; a class axis is no batch), and not a Hugging Face model's (batch-first)."""
-    if torch.compiler.is_compiling() or t.dim() != 3 or rows < 2 or list(t.shape).count(rows) < 2:
+    if torch.compiler.is_compiling() or t.dim() not in (2, 3) or rows < 2 or list(t.shape).count(rows) < 2:
         return  # (not traced: the sizes' comparison would guard a compiled graph on them)
+    if t.dim() == 2 and dim == 0:
+        return  # (a batch-first [B, D] with D == K x B: its first axis is the batch)
     if huggingface_model(model) is not None:
         return
     if callable(getattr(model, "rank1_output_axes", None)):  # a converted layer as the model: it states its axes
@@ -256,10 +256,12 @@ def _warn_two_row_axes(model: nn.Module, t: Tensor, dim: int, rows: int, task: T
     others = [i for i in (0, 1) if t.shape[i] == rows and i not in (dim, classes)]
     if not others:
         return
+    layout = "a time-major [T, B, C] output" if others[0] == 1 else "a batch-first [B, C] output of a time-major model"
     warnings.warn(
         f"the output of shape {tuple(t.shape)} of {type(model).__name__} has the pass's {rows} member rows at "
         f"dimensions {dim} and {others[0]}; bayesify took dimension {dim}, where the input holds its batch. If the "
-        f"output holds its batch at dimension {others[0]} (a time-major [T, B, C] output), return it batch-first.",
+        f"output holds its batch at dimension {others[0]} ({layout}), its mixture is wrong: return the batch at "
+        f"dimension {dim}, or evaluate in batches of another size.",
         stacklevel=4,
     )
 
@@ -297,17 +299,12 @@ def primary_leaf(output: object) -> object:
         return None
 
 
-def rows_axis(t: object, dim: int | None, rows: int, input_shape: tuple[int, ...] | None = None) -> int | None:
+def rows_axis(t: object, dim: int | None, rows: int) -> int | None:
     """The axis of a tiled leaf's ``rows`` (members x batch): where the input has its batch, else the one axis of
     that size (an output that puts the batch elsewhere, as a time-major RNN's last step ``[B, C]`` with
-    ``batch_dim=1``); two or more such axes are refused: which one is the batch cannot be told. Where the input's
-    axis and the first both have ``rows`` (that last step with C == K x B), the first holds the batch if the input's
-    first axis (``input_shape``, as given: a time-major model's steps) has another size: it is not those steps."""
-    if not isinstance(t, Tensor) or dim is None or t.dim() == 0:
-        return dim
-    if t.dim() > dim and t.shape[dim] == rows:
-        if dim > 0 and t.shape[0] == rows and input_shape is not None and len(input_shape) > dim and input_shape[0] != rows:
-            return 0  # (its regression or classes took the input's axis, silently: the members' mean on the features)
+    ``batch_dim=1``); two or more such axes are refused: which one is the batch cannot be told. (Where the input's
+    axis has the rows and another axis too, the input's is taken, and :func:`_warn_two_row_axes` says so.)"""
+    if not isinstance(t, Tensor) or dim is None or t.dim() == 0 or (t.dim() > dim and t.shape[dim] == rows):
         return dim
     found = [i for i, size in enumerate(t.shape) if size == rows]
     if len(found) > 1:

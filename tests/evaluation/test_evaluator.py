@@ -441,3 +441,38 @@ def test_a_model_of_two_inputs_is_evaluated_on_pairs_of_a_tuple_of_inputs_and_a_
         want = F.cross_entropy(masked.eval()(x1, mask), y).item()
     batches = torch.utils.data.DataLoader(list(zip(zip(x1, mask), y)), batch_size=8)  # ((x, mask), y) examples
     assert evaluate(masked, batches)["nll"] == pytest.approx(want, rel=1e-5)
+
+    class Views(nn.Module):  # forward(views, scale=1.0): a tuple of views is its one input, not (views, scale)
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.out = nn.Linear(4, 8), nn.Linear(8, 3)
+
+        def forward(self, views: list, scale: float = 1.0) -> torch.Tensor:
+            return self.out(torch.tanh(sum(self.a(v) for v in views))) * scale
+
+    views = bayesify.convert(Views(), task="classification", init="normal", init_mean_std=0.3)
+    with torch.no_grad():
+        want = F.cross_entropy(views.eval()([x1, x1.flip(0)]), y).item()
+    batches = torch.utils.data.DataLoader(list(zip(zip(x1, x1.flip(0)), y)), batch_size=20)
+    assert evaluate(views, batches)["nll"] == pytest.approx(want, rel=1e-5)
+
+
+def test_a_time_major_model_of_two_inputs_takes_its_sequence_and_lengths_from_a_tuple():
+    # ((x [T, B, F], lengths [B]), y) with batch_dim=1: read as a detector's list of examples (their sizes at
+    # dimension 0 differ), the tuple went in as one input (forward() missing 'lengths')
+    class Last(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.out = nn.GRU(3, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            h = self.rnn(x)[0]  # [T, B, 8]
+            return self.out(h[lengths - 1, torch.arange(h.shape[1])])
+
+    torch.manual_seed(0)
+    x, lengths, y = torch.randn(5, 6, 3), torch.tensor([5, 3, 4, 5, 2, 1]), torch.randint(3, (6,))
+    net = bayesify.convert(Last(), batch_dim=1, task="classification", init="normal", init_mean_std=0.3)
+    with torch.no_grad():
+        want = F.cross_entropy(net.eval()(x, lengths), y).item()
+    batches = torch.utils.data.DataLoader([((x, lengths), y)], batch_size=None)  # (one batch as it is)
+    assert evaluate(net, batches)["nll"] == pytest.approx(want, rel=1e-5)
