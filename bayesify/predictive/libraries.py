@@ -248,10 +248,9 @@ def tower_batches(root: nn.Module, args: tuple, kwargs: dict) -> dict[str, int]:
     name; empty for any other model. (A vision-language model's flat patches ``[patches, dim]`` are no tower's.)"""
     if huggingface_model(root) is None:
         return {}
-    try:
-        given = inspect.signature(root.forward).bind_partial(*args, **kwargs).arguments
-    except (TypeError, ValueError):
-        given = kwargs
+    given = dict(kwargs)
+    if args:  # (by keyword as a rule: the signature is read only for positional inputs, once per class)
+        given.update(zip(_positional_names(type(root)), args))
     return {
         name: int(value.shape[0]) for name, dims in _TOWER_INPUTS.items()
         if isinstance(value := given.get(name), Tensor) and value.dim() >= dims
@@ -272,6 +271,17 @@ def said_of_model(said: Task, stated: Task | None) -> Task:
             said = dataclasses.replace(said, class_axis=logits.class_axis)  # (a model's logits: classes last)
         return dataclasses.replace(stated, tasks=tuple((k, said if k == "logits" else t) for k, t in stated.tasks))
     return said
+
+
+@functools.cache
+def _positional_names(cls: type) -> tuple[str, ...]:
+    """The names of ``cls.forward``'s positional inputs, in order (none where it takes ``*args``: a peft wrapper)."""
+    try:
+        parameters = list(inspect.signature(cls.forward).parameters.values())[1:]  # (not self)
+    except (TypeError, ValueError):
+        return ()
+    P = inspect.Parameter
+    return tuple(p.name for p in parameters if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD))
 
 
 # pre-training discriminators whose logits are one sigmoid per token (replaced or not), not a softmax over the sequence
